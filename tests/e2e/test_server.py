@@ -1,0 +1,70 @@
+"""A real ComfyUI server with the pack in custom_nodes, over HTTP and websocket."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
+from kt_testing.server import ComfyServer
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    with ComfyServer(tmp_path_factory.mktemp("server-base")) as running:
+        yield running
+
+
+def test_pack_imports_without_failure(server):
+    log = server.log()
+    pack_lines = [
+        line for line in log.splitlines() if line.rstrip().endswith(f"custom_nodes/{PACK_DIR_NAME}")
+    ]
+    assert pack_lines, f"the pack was not imported:\n{log[-3000:]}"
+    assert not any("IMPORT FAILED" in line for line in pack_lines), pack_lines
+    assert f"Cannot import {server.base_dir}/custom_nodes/{PACK_DIR_NAME}" not in log
+
+
+def test_object_info_lists_exactly_the_packs_nodes(server, comfy_runtime):
+    info = server.get_json("/object_info")
+    served = {name for name, entry in info.items() if entry.get("python_module", "").endswith(PACK_DIR_NAME)}
+    # The expected list comes from the extension itself, loaded in-process.
+    extension = asyncio.run(comfy_runtime.pack_module.comfy_entrypoint())
+    expected = {n.GET_SCHEMA().node_id for n in asyncio.run(extension.get_node_list())}
+    assert served == expected
+    assert "UNETLoader" in info and "ReferenceLatent" in info  # the stock nodes the pack builds on
+
+
+def test_web_directory_is_served(server):
+    listed = server.get_json("/extensions")
+    ours = sorted(path for path in listed if path.startswith(f"/extensions/{PACK_DIR_NAME}/"))
+    on_disk = sorted(
+        f"/extensions/{PACK_DIR_NAME}/{p.relative_to(REPO_ROOT / 'web').as_posix()}"
+        for p in (REPO_ROOT / "web").rglob("*.js")
+    )
+    assert ours == on_disk and ours
+    for path in ours:
+        local = REPO_ROOT / "web" / path.removeprefix(f"/extensions/{PACK_DIR_NAME}/")
+        assert server.get(path) == local.read_bytes()
+
+
+def test_websocket_reports_a_prompt_run(server):
+    ws, client_id = server.websocket()
+    try:
+        first = json.loads(ws.recv())
+    finally:
+        ws.close()
+    assert first["type"] == "status" and first["data"]["sid"] == client_id
+
+    graph = {
+        "1": {"class_type": "EmptyImage", "inputs": {"width": 32, "height": 32, "batch_size": 1, "color": 0}},
+        "2": {"class_type": "PreviewImage", "inputs": {"images": ["1", 0]}},
+    }
+    prompt_id, messages = server.run_prompt(graph)
+    kinds = [m["type"] for m in messages]
+    assert kinds[-1] == "execution_success", messages[-1]
+    assert "execution_start" in kinds and "executed" in kinds
+    history = server.get_json(f"/history/{prompt_id}")
+    assert history[prompt_id]["outputs"]["2"]["images"]

@@ -1,0 +1,74 @@
+"""Boot the real ComfyUI runtime in this process, the way `main.py --cpu` would.
+
+`boot(base_dir)` puts ComfyUI on sys.path, sets the CLI options ComfyUI reads at import
+time (CPU only, the given base directory), loads ComfyUI's built-in extra nodes and then
+the pack through ComfyUI's own `nodes.load_custom_node`. It runs once per process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+
+from .paths import PACK_DIR_NAME, comfyui_root, make_base_directory
+
+
+@dataclass
+class ComfyRuntime:
+    root: Path
+    base_dir: Path
+    nodes: ModuleType  # ComfyUI's own top-level `nodes` module
+    pack_loaded: bool
+    pack_module_name: str
+
+    @property
+    def pack_module(self) -> ModuleType:
+        return sys.modules[self.pack_module_name]
+
+
+_RUNTIME: ComfyRuntime | None = None
+
+
+def boot(base_dir: Path) -> ComfyRuntime:
+    global _RUNTIME
+    if _RUNTIME is not None:
+        return _RUNTIME
+    root = comfyui_root()
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    base_dir = make_base_directory(base_dir)
+
+    from comfy.cli_args import args  # parsed with defaults: ComfyUI's arg parsing is off here
+
+    args.cpu = True
+    args.base_directory = str(base_dir)
+    args.disable_auto_launch = True
+
+    import folder_paths  # reads args.base_directory at import
+
+    if Path(folder_paths.base_path) != base_dir.resolve():
+        raise RuntimeError(f"folder_paths was imported before boot(): base {folder_paths.base_path}")
+    import comfy.model_management  # noqa: F401  (device selection honours args.cpu)
+
+    # main.py's import order, kept explicit (an import sorter must not reorder it): ComfyUI's
+    # `utils` package first, because importing `nodes` puts comfy/ first on sys.path, where
+    # comfy/utils.py would shadow that package; then the executor and the server.
+    for module in ("utils.extra_config", "execution", "server"):
+        importlib.import_module(module)
+    import nodes as comfy_nodes
+
+    asyncio.run(comfy_nodes.init_builtin_extra_nodes())
+    pack_path = str(base_dir / "custom_nodes" / PACK_DIR_NAME)
+    loaded = asyncio.run(comfy_nodes.load_custom_node(pack_path))
+    _RUNTIME = ComfyRuntime(
+        root=root,
+        base_dir=base_dir,
+        nodes=comfy_nodes,
+        pack_loaded=loaded,
+        pack_module_name=pack_path.replace(".", "_x_"),
+    )
+    return _RUNTIME

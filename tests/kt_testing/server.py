@@ -1,0 +1,150 @@
+"""A real ComfyUI server subprocess on a free loopback port, with the pack installed.
+
+    with ComfyServer(base_dir) as server:
+        server.get_json("/object_info")
+
+It is started as `python main.py --cpu ...` from the ComfyUI root, logs to a file in the base
+directory, and is stopped by its PID (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from .paths import comfyui_root, make_base_directory
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(self, base_dir: Path, start_timeout: float = 180.0):
+        self.base_dir = make_base_directory(base_dir)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.base_dir / "server.log"
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ComfyServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "main.py",
+            "--cpu",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-directory",
+            str(self.base_dir),
+            "--disable-auto-launch",
+            "--database-url",
+            "sqlite:///:memory:",
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            cmd,
+            cwd=comfyui_root(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                self.get_json("/system_stats", timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {self.start_timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+        self._log.close()
+        self.process = None
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def get(self, path: str, timeout: float = 30) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return response.read()
+
+    def get_json(self, path: str, timeout: float = 30):
+        return json.loads(self.get(path, timeout))
+
+    def post_json(self, path: str, payload: dict, timeout: float = 30):
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def websocket(self, client_id: str | None = None):
+        """A websocket-client connection to /ws, plus the client id it announced."""
+        import websocket
+
+        client_id = client_id or uuid.uuid4().hex
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
+        return ws, client_id
+
+    def run_prompt(self, prompt: dict, timeout: float = 300) -> tuple[str, list[dict]]:
+        """Queue an API-format graph and collect websocket messages until it finishes."""
+        ws, client_id = self.websocket()
+        try:
+            queued = self.post_json("/prompt", {"prompt": prompt, "client_id": client_id})
+            prompt_id = queued["prompt_id"]
+            messages, deadline = [], time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                raw = ws.recv()
+                if not isinstance(raw, str):
+                    continue  # binary preview frames
+                message = json.loads(raw)
+                messages.append(message)
+                data = message.get("data", {})
+                if data.get("prompt_id") == prompt_id and message["type"] in (
+                    "execution_success",
+                    "execution_error",
+                    "execution_interrupted",
+                ):
+                    return prompt_id, messages
+            raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s")
+        finally:
+            ws.close()

@@ -1,0 +1,100 @@
+"""Tiny Flux-architecture models built through ComfyUI's own classes, with seeded weights.
+
+ComfyUI builds its layers with `disable_weight_init` ops, so a fresh model holds whatever
+memory `torch.empty` returned; `seeded_init_` gives every parameter a reproducible value.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Hidden 64 with 2 heads: head dim 32 = sum(axes_dim). Text 48 / pooled 32 keep it tiny.
+TINY_FLUX_CONFIG = {
+    "image_model": "flux",
+    "in_channels": 16,
+    "out_channels": 16,
+    "vec_in_dim": 32,
+    "context_in_dim": 48,
+    "hidden_size": 64,
+    "mlp_ratio": 4.0,
+    "num_heads": 2,
+    "depth": 2,
+    "depth_single_blocks": 2,
+    "axes_dim": [8, 12, 12],
+    "theta": 10000,
+    "patch_size": 2,
+    "qkv_bias": True,
+    "guidance_embed": True,
+}
+
+# A Flux VAE with the real topology (4 levels, 8x downscale, 16 latent channels) but narrow.
+SMALL_VAE_DDCONFIG = {
+    "double_z": True,
+    "z_channels": 16,
+    "resolution": 256,
+    "in_channels": 3,
+    "out_ch": 3,
+    "ch": 32,
+    "ch_mult": [1, 2, 2, 2],
+    "num_res_blocks": 1,
+    "attn_resolutions": [],
+    "dropout": 0.0,
+}
+
+
+def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Fill every parameter deterministically: matrices ~ N(0, 1/fan_in), norm scales 1,
+    biases small. Iterates in `named_parameters` order, so the same architecture and seed
+    always give the same weights."""
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if param.ndim >= 2:
+                fan_in = math.prod(param.shape[1:])
+                values = torch.randn(param.shape, generator=gen) / math.sqrt(fan_in)
+            elif leaf == "scale" or "norm" in name:
+                values = torch.ones(param.shape)
+            else:
+                values = torch.randn(param.shape, generator=gen) * 0.02
+            param.copy_(values.to(param.dtype))
+    return module
+
+
+def build_flux_model(unet_config: dict, seed: int, dtype: torch.dtype = torch.float32):
+    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`."""
+    import comfy.supported_models
+
+    model_config = comfy.supported_models.Flux(dict(unet_config))
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({})
+    seeded_init_(model.diffusion_model, seed)
+    return model.eval()
+
+
+def tiny_flux_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A MODEL (ModelPatcher) around a tiny Flux, as a stock loader would hand it over."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    model = build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype)
+    return comfy.model_patcher.ModelPatcher(
+        model,
+        load_device=comfy.model_management.get_torch_device(),
+        offload_device=comfy.model_management.unet_offload_device(),
+    )
+
+
+def small_flux_vae(seed: int = 0):
+    """A ComfyUI VAE object with Flux's topology (16 latent channels, 8x) but few channels."""
+    import comfy.sd
+
+    encoder_decoder = {"ddconfig": SMALL_VAE_DDCONFIG, "embed_dim": 16}
+    # Build once to learn the key layout, then load seeded weights through the normal path.
+    vae = comfy.sd.VAE(sd={}, config={"params": encoder_decoder})
+    state = seeded_init_(vae.first_stage_model, seed).state_dict()
+    vae = comfy.sd.VAE(sd=state, config={"params": encoder_decoder})
+    vae.latent_channels = 16
+    return vae
