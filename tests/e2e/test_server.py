@@ -66,5 +66,4 @@ def test_websocket_reports_a_prompt_run(server):
     kinds = [m["type"] for m in messages]
     assert kinds[-1] == "execution_success", messages[-1]
     assert "execution_start" in kinds and "executed" in kinds
-    history = server.get_json(f"/history/{prompt_id}")
-    assert history[prompt_id]["outputs"]["2"]["images"]
+    assert server.history(prompt_id)["outputs"]["2"]["images"]

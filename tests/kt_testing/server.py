@@ -125,6 +125,17 @@ class ComfyServer:
         ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
         return ws, client_id
 
+    def history(self, prompt_id: str, timeout: float = 30) -> dict:
+        """The prompt's /history entry. ComfyUI writes it just after it sends
+        execution_success, so poll for it briefly."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get_json(f"/history/{prompt_id}").get(prompt_id)
+            if entry is not None:
+                return entry
+            time.sleep(0.1)
+        raise TimeoutError(f"no history for prompt {prompt_id} after {timeout} s")
+
     def run_prompt(self, prompt: dict, timeout: float = 300) -> tuple[str, list[dict]]:
         """Queue an API-format graph and collect websocket messages until it finishes."""
         ws, client_id = self.websocket()
