@@ -106,11 +106,24 @@ ensure_venv() {
     echo "$want" > "$VENV/.kontext-stamp"
 }
 
+# 3) Debian's Chromium for the browser tests (Playwright drives it; it never downloads one).
+ensure_chromium() {
+    command -v chromium >/dev/null 2>&1 && return
+    if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
+        log "installing Debian chromium for the browser tests"
+        apt-get update -qq >/dev/null
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null 2>&1
+    else
+        log "chromium is missing and cannot be installed here: browser tests will be skipped"
+    fi
+}
+
 main() {
     local start=$SECONDS comfy
     comfy="$(comfy_root)"
     [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]] || ensure_bundled_comfyui
     ensure_venv "$comfy"
+    ensure_chromium
     log "ready in $((SECONDS - start)) s (ComfyUI: $comfy)"
 }
 

@@ -5,16 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-import pytest
-
 from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
-from kt_testing.server import ComfyServer
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    with ComfyServer(tmp_path_factory.mktemp("server-base")) as running:
-        yield running
 
 
 def test_pack_imports_without_failure(server):

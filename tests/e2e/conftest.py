@@ -1,0 +1,55 @@
+"""e2e fixtures: one ComfyUI server per session, and a headless Debian Chromium."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from kt_testing.server import ComfyServer
+
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--no-first-run",
+]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory):
+    with ComfyServer(tmp_path_factory.mktemp("server-base")) as running:
+        yield running
+
+
+@pytest.fixture(scope="session")
+def chromium():
+    """Playwright driving the system's Chromium (playwright's own browser download is never
+    used). Missing Chromium fails in CI, where set-up installs it, and skips elsewhere."""
+    path = shutil.which("chromium")
+    if path is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is not installed; scripts/setup.sh installs it with apt-get")
+        pytest.skip("Debian chromium is not installed (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=path, args=CHROMIUM_FLAGS)
+        yield browser
+        browser.close()
+
+
+@pytest.fixture
+def comfy_page(chromium, server):
+    """The real ComfyUI frontend, loaded, with every extension's setup run."""
+    page = chromium.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    page.goto(server.url)
+    page.wait_for_function("() => window.comfyAPI?.app?.app?.extensions?.length > 0", timeout=60_000)
+    page.page_errors = errors
+    yield page
+    page.close()
