@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-# Every node id starts with this, so ours can never clash with ComfyUI's or another pack's.
-NODE_ID_PREFIX = "KontextTrainer_"
+from .extension_ids import NODE_ID_PREFIX  # noqa: F401  (re-exported for tests and tools)
+from .multi_image_conditioning import MultiImageConditioning
 
 
 def node_classes() -> list[type[io.ComfyNode]]:
     """The pack's nodes, in menu order. Grows as nodes land (see README, "Nodes")."""
-    return []
+    return [MultiImageConditioning]
 
 
 class KontextTrainerExtension(ComfyExtension):

@@ -29,6 +29,12 @@ def comfy_runtime(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def pack(comfy_runtime):
+    """The pack's package exactly as ComfyUI imported it (e.g. `pack.nodes.reference_ids`)."""
+    return comfy_runtime.pack_module
+
+
+@pytest.fixture(scope="session")
 def stock_assets(comfy_runtime):
     """The demo's stock-loadable files (cached outside git), linked into models/."""
     import demo_assets

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 import json
 
+from kt_testing.comfy_runtime import pack_node_classes
 from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
 
 
@@ -22,8 +22,7 @@ def test_object_info_lists_exactly_the_packs_nodes(server, comfy_runtime):
     info = server.get_json("/object_info")
     served = {name for name, entry in info.items() if entry.get("python_module", "").endswith(PACK_DIR_NAME)}
     # The expected list comes from the extension itself, loaded in-process.
-    extension = asyncio.run(comfy_runtime.pack_module.comfy_entrypoint())
-    expected = {n.GET_SCHEMA().node_id for n in asyncio.run(extension.get_node_list())}
+    expected = {n.GET_SCHEMA().node_id for n in pack_node_classes(comfy_runtime.pack_module)}
     assert served == expected
     assert "UNETLoader" in info and "ReferenceLatent" in info  # the stock nodes the pack builds on
 
@@ -58,3 +57,11 @@ def test_websocket_reports_a_prompt_run(server):
     assert kinds[-1] == "execution_success", messages[-1]
     assert "execution_start" in kinds and "executed" in kinds
     assert server.history(prompt_id)["outputs"]["2"]["images"]
+
+
+def test_multi_image_conditioning_is_described_for_the_frontend(server):
+    entry = server.get_json("/object_info")["KontextTrainer_MultiImageConditioning"]
+    assert entry["display_name"] == "MultiImageConditioning"
+    assert entry["input"]["required"]["layout"][1]["options"] == ["offset", "index", "uxo", "dreamomni2"]
+    assert set(entry["input"]["optional"]) == {"image_2", "image_3", "image_4"}
+    assert entry["output"] == ["MODEL", "CONDITIONING"]

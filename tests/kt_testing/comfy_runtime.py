@@ -8,6 +8,7 @@ the pack through ComfyUI's own `nodes.load_custom_node`. It runs once per proces
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import importlib
 import sys
 from dataclasses import dataclass
@@ -31,6 +32,19 @@ class ComfyRuntime:
 
 
 _RUNTIME: ComfyRuntime | None = None
+
+
+def run_sync(coroutine):
+    """Run a coroutine to completion on a fresh event loop in a worker thread, so it also works
+    while another loop is running in this thread (Playwright's sync API keeps one)."""
+    with concurrent.futures.ThreadPoolExecutor(max_workers=1) as pool:
+        return pool.submit(asyncio.run, coroutine).result()
+
+
+def pack_node_classes(pack_module) -> list:
+    """The node classes the pack's V3 extension hands ComfyUI."""
+    extension = run_sync(pack_module.comfy_entrypoint())
+    return run_sync(extension.get_node_list())
 
 
 def boot(base_dir: Path) -> ComfyRuntime:
@@ -61,9 +75,9 @@ def boot(base_dir: Path) -> ComfyRuntime:
         importlib.import_module(module)
     import nodes as comfy_nodes
 
-    asyncio.run(comfy_nodes.init_builtin_extra_nodes())
+    run_sync(comfy_nodes.init_builtin_extra_nodes())
     pack_path = str(base_dir / "custom_nodes" / PACK_DIR_NAME)
-    loaded = asyncio.run(comfy_nodes.load_custom_node(pack_path))
+    loaded = run_sync(comfy_nodes.load_custom_node(pack_path))
     _RUNTIME = ComfyRuntime(
         root=root,
         base_dir=base_dir,

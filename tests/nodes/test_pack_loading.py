@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 
+from kt_testing.comfy_runtime import pack_node_classes
 from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
 
 
@@ -17,8 +17,7 @@ def test_comfyui_loads_the_pack_through_the_v3_entrypoint(comfy_runtime):
 
 def test_every_node_is_registered_under_our_prefix(comfy_runtime):
     pack = comfy_runtime.pack_module
-    extension = asyncio.run(pack.comfy_entrypoint())
-    node_list = asyncio.run(extension.get_node_list())
+    node_list = pack_node_classes(pack)
     prefix = pack.nodes.extension.NODE_ID_PREFIX
     registered = comfy_runtime.nodes.NODE_CLASS_MAPPINGS
     for node_cls in node_list:

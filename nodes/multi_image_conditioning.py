@@ -1,0 +1,129 @@
+"""MultiImageConditioning: reference images -> conditioning (+ a MODEL that uses our ids).
+
+The same conditioning drives a stock KSampler and TrainLoRA. The MODEL output is a clone whose
+Flux image ids come from `trainer_core.position_ids` for every layout (see reference_ids.py);
+for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is required.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from comfy_api.latest import io
+
+from ..trainer_core.position_ids import LAYOUTS, check_layout
+from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
+from .extension_ids import node_id
+from .reference_ids import with_reference_ids
+
+MAX_REFERENCES = 4
+
+LAYOUT_TOOLTIP = (
+    "Where the reference tokens sit in Flux's position grid. offset: ComfyUI's Kontext default "
+    "(all references index 1, packed side by side). index: reference i gets index i+1. uxo: "
+    "UXO/USO style, diagonal after the target. dreamomni2: index i+1 and columns shifted by the "
+    "widths of the earlier references (DreamOmni2). With one reference, offset, index and "
+    "dreamomni2 are identical (plain Kontext). Train and sample with the same layout."
+)
+
+
+def encode_references(vae, images: list[torch.Tensor], resolution: int) -> list[torch.Tensor]:
+    """Resize each reference with the shared size rule and VAE-encode it: raw latents."""
+    latents = []
+    for number, image in enumerate(images, start=1):
+        batch, height, width = image.shape[0], image.shape[1], image.shape[2]
+        check_side_cap(width, height, f"image_{number}")
+        new_w, new_h = fit_to_area(width, height, resolution)
+        pixels = image[..., :3].float().cpu().numpy()
+        resized = np.stack([resize_exact(pixels[b], new_w, new_h) for b in range(batch)])
+        latents.append(vae.encode(torch.from_numpy(resized)))
+    return latents
+
+
+def check_batch_sizes(images: list[torch.Tensor]) -> None:
+    sizes = {f"image_{i}": image.shape[0] for i, image in enumerate(images, start=1)}
+    distinct = set(sizes.values()) - {1}
+    if len(distinct) > 1:
+        listed = ", ".join(f"{name} has {size}" for name, size in sizes.items())
+        raise ValueError(
+            f"reference batch sizes disagree ({listed}); give each input one image, "
+            "or the same number of images"
+        )
+
+
+def attach_references(conditioning, latents: list[torch.Tensor], layout: str):
+    import node_helpers
+
+    # Appended, like the stock ReferenceLatent node; the layout is set (not appended: a string).
+    conditioning = node_helpers.conditioning_set_values(
+        conditioning, {"reference_latents": latents}, append=True
+    )
+    return node_helpers.conditioning_set_values(conditioning, {"reference_latents_method": layout})
+
+
+class MultiImageConditioning(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        images = [io.Image.Input("image_1", tooltip="The first reference image (required).")]
+        images += [
+            io.Image.Input(f"image_{i}", optional=True, tooltip=f"Reference image {i} (optional).")
+            for i in range(2, MAX_REFERENCES + 1)
+        ]
+        return io.Schema(
+            node_id=node_id("MultiImageConditioning"),
+            display_name="MultiImageConditioning",
+            category="Kontext Trainer",
+            description="Adds 1 to 4 reference images to a conditioning for Flux Kontext / DreamOmni2, "
+            "with a chosen position layout, for sampling and for TrainLoRA.",
+            inputs=[
+                io.Model.Input(
+                    "model", tooltip="The Flux / Kontext MODEL; a clone comes out, the input is untouched."
+                ),
+                io.Conditioning.Input(
+                    "conditioning", tooltip="The prompt conditioning (e.g. from CLIPTextEncode)."
+                ),
+                io.Vae.Input("vae", tooltip="The Flux VAE that encodes the references."),
+                io.Combo.Input("layout", options=list(LAYOUTS), default="offset", tooltip=LAYOUT_TOOLTIP),
+                io.Int.Input(
+                    "reference_resolution",
+                    default=1024,
+                    min=0,
+                    max=MAX_SIDE,
+                    step=16,
+                    tooltip="References are scaled to about this many pixels squared, aspect kept, "
+                    "sides multiples of 16 (the dataset loader uses the same rule). 0 keeps "
+                    f"the size, cropping to multiples of 16. Inputs over {MAX_SIDE} px on a "
+                    "side are refused.",
+                ),
+                *images,
+            ],
+            outputs=[
+                io.Model.Output(
+                    display_name="MODEL",
+                    tooltip="Use this MODEL to sample: it feeds Flux the "
+                    "layout's position ids (required for dreamomni2).",
+                ),
+                io.Conditioning.Output(display_name="CONDITIONING"),
+            ],
+        )
+
+    @classmethod
+    def execute(
+        cls,
+        model,
+        conditioning,
+        vae,
+        layout,
+        reference_resolution,
+        image_1=None,
+        image_2=None,
+        image_3=None,
+        image_4=None,
+    ) -> io.NodeOutput:
+        check_layout(layout)
+        images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
+        if not images:
+            raise ValueError("MultiImageConditioning needs at least one reference image on image_1")
+        check_batch_sizes(images)
+        latents = encode_references(vae, images, reference_resolution)
+        return io.NodeOutput(with_reference_ids(model), attach_references(conditioning, latents, layout))

@@ -1,0 +1,112 @@
+"""MultiImageConditioning in the real runtime: stock KSampler sampling, layouts, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kt_testing.capture import captured_image_ids
+
+
+def hand_ids(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
+    return torch.tensor(
+        [[index, r + row_off, c + col_off] for r in range(rows) for c in range(cols)], dtype=torch.float32
+    )
+
+
+@pytest.fixture(scope="module")
+def setup(comfy_runtime, pack):
+    from kt_testing.tiny_models import small_flux_vae, tiny_flux_patcher
+
+    gen = torch.Generator().manual_seed(5)
+    conditioning = [
+        [torch.randn(1, 7, 48, generator=gen), {"pooled_output": torch.randn(1, 32, generator=gen)}]
+    ]
+    return {
+        "model": tiny_flux_patcher(seed=4),
+        "vae": small_flux_vae(seed=1),
+        "conditioning": conditioning,
+        "node": pack.nodes.multi_image_conditioning.MultiImageConditioning,
+        "nodes": comfy_runtime.nodes,
+    }
+
+
+def image(height, width, seed=0, batch=1):
+    return torch.rand(batch, height, width, 3, generator=torch.Generator().manual_seed(seed))
+
+
+def sample_with_ksampler(setup, model, conditioning, latent_hw=(8, 8)):
+    """A stock KSampler, 2 euler steps at cfg 1; returns the ids of every model call."""
+    latent = {"samples": torch.zeros(1, 16, *latent_hw)}
+    with captured_image_ids(model.model.diffusion_model) as calls:
+        (out,) = (
+            setup["nodes"]
+            .KSampler()
+            .sample(model, 7, 2, 1.0, "euler", "simple", conditioning, conditioning, latent, denoise=1.0)
+        )
+    assert out["samples"].shape == latent["samples"].shape and torch.isfinite(out["samples"]).all()
+    return calls
+
+
+def run_node(setup, layout, *images, resolution=0):
+    kwargs = {f"image_{i}": img for i, img in enumerate(images, start=1)}
+    result = setup["node"].execute(
+        setup["model"], setup["conditioning"], setup["vae"], layout, resolution, **kwargs
+    )
+    return result.args
+
+
+@pytest.mark.parametrize(
+    "sizes,expected_refs",
+    [
+        # image pixels (H, W) -> latent /8 -> patches /2
+        # 64x64, 64x64: 4x4 patches each; the second shifted right by 4 columns, index 2.
+        ([(64, 64), (64, 64)], [(4, 4, 1.0, 0, 0), (4, 4, 2.0, 0, 4)]),
+        # 64x96 then 48x64: 4x6 then 3x4 patches; the second at column 6.
+        ([(64, 96), (48, 64)], [(4, 6, 1.0, 0, 0), (3, 4, 2.0, 0, 6)]),
+    ],
+)
+def test_dreamomni2_reaches_flux_through_a_stock_ksampler(setup, sizes, expected_refs):
+    images = [image(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
+    model, conditioning = run_node(setup, "dreamomni2", *images)
+    calls = sample_with_ksampler(setup, model, conditioning)
+    expected = torch.cat([hand_ids(4, 4, 0.0)] + [hand_ids(*ref) for ref in expected_refs])
+    assert len(calls) == 2  # one call per step at cfg 1
+    for ids in calls:
+        assert torch.equal(ids[0], expected)
+    # Without our MODEL, ComfyUI silently falls back to `offset`: different ids.
+    stock_calls = sample_with_ksampler(setup, setup["model"], conditioning)
+    assert not torch.equal(stock_calls[0][0], expected)
+
+
+def test_single_reference_gives_plain_kontext_ids_in_offset_index_and_dreamomni2(setup):
+    ref = image(48, 80, seed=3)
+    plain = torch.cat([hand_ids(4, 4, 0.0), hand_ids(3, 5, 1.0)])
+    for layout in ("offset", "index", "dreamomni2"):
+        model, conditioning = run_node(setup, layout, ref)
+        calls = sample_with_ksampler(setup, model, conditioning)
+        assert torch.equal(calls[0][0], plain), layout
+
+
+def test_conditioning_carries_latents_and_layout_and_the_input_model_is_untouched(setup):
+    import comfy.patcher_extension
+
+    model, conditioning = run_node(setup, "uxo", image(64, 32), image(32, 64, seed=1), resolution=64)
+    extras = conditioning[0][1]
+    assert extras["reference_latents_method"] == "uxo"
+    # resolution 64: 64x32 -> area 4096 -> 96x48 (sqrt 2 scale, rounded to 16) -> latent 12x6
+    assert [tuple(t.shape) for t in extras["reference_latents"]] == [(1, 16, 12, 6), (1, 16, 6, 12)]
+    assert "reference_latents" not in setup["conditioning"][0][1]
+    dm_wrappers = comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL
+    assert model.wrappers.get(dm_wrappers) and not setup["model"].wrappers.get(dm_wrappers)
+
+
+def test_bad_input_gets_a_clear_error(setup):
+    with pytest.raises(ValueError, match="at least one reference image on image_1"):
+        run_node(setup, "offset")
+    with pytest.raises(ValueError, match=r"batch sizes disagree.*image_1 has 2, image_2 has 3"):
+        run_node(setup, "offset", image(32, 32, batch=2), image(32, 32, batch=3))
+    with pytest.raises(ValueError, match="unknown reference layout 'sideways'"):
+        run_node(setup, "sideways", image(32, 32))
+    with pytest.raises(ValueError, match="image_2 is 16x4100; the cap is 4096"):
+        run_node(setup, "offset", image(32, 32), image(4100, 16))
