@@ -44,12 +44,16 @@ def chromium():
 
 @pytest.fixture
 def comfy_page(chromium, server):
-    """The real ComfyUI frontend, loaded, with every extension's setup run."""
+    """The real ComfyUI frontend, loaded, with the pack's extensions registered."""
     page = chromium.new_page()
     errors: list[str] = []
     page.on("pageerror", lambda exc: errors.append(str(exc)))
     page.goto(server.url)
-    page.wait_for_function("() => window.comfyAPI?.app?.app?.extensions?.length > 0", timeout=60_000)
+    # The pack's extensions register after the core ones: wait for ours.
+    page.wait_for_function(
+        "() => window.comfyAPI?.app?.app?.extensions?.some(e => e.name === 'KontextTrainer.About')",
+        timeout=60_000,
+    )
     page.page_errors = errors
     yield page
     page.close()

@@ -9,10 +9,6 @@ from kt_testing.paths import REPO_ROOT
 
 def test_about_badge_names_the_installed_version(comfy_page, server):
     version = tomllib.loads((REPO_ROOT / "pyproject.toml").read_text())["project"]["version"]
-    comfy_page.wait_for_function(
-        "() => window.comfyAPI.app.app.extensions.some(e => e.name === 'KontextTrainer.About')",
-        timeout=60_000,
-    )
     comfy_page.evaluate(
         "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.Help.AboutComfyUI')"
     )

@@ -1,0 +1,43 @@
+"""Every shared workflow in example_workflows/ loads in the real frontend with the pack."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kt_testing.paths import REPO_ROOT
+
+WORKFLOWS = sorted((REPO_ROOT / "example_workflows").glob("*.json"))
+
+
+def test_there_are_example_workflows():
+    assert WORKFLOWS
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
+    workflow = json.loads(path.read_text())
+    known = server.get_json("/object_info")
+    missing = sorted({node["type"] for node in workflow["nodes"]} - set(known))
+    assert not missing, f"{path.name} uses node types this ComfyUI lacks: {missing}"
+
+    prompt = comfy_page.evaluate(
+        """async (workflow) => {
+            const app = window.comfyAPI.app.app;
+            await app.loadGraphData(workflow);
+            return (await app.graphToPrompt()).output;
+        }""",
+        workflow,
+    )
+    # Every node survives the round trip, with its type.
+    saved_types = {str(node["id"]): node["type"] for node in workflow["nodes"]}
+    assert {k: v["class_type"] for k, v in prompt.items()} == saved_types
+    # Our nodes keep their widget values (e.g. the layout) and are wired to a sampler.
+    ours = {k: v for k, v in prompt.items() if v["class_type"].startswith("KontextTrainer_")}
+    assert ours, f"{path.name} does not use a Kontext Trainer node"
+    for node_id, node in ours.items():
+        widgets = next(n["widgets_values"] for n in workflow["nodes"] if str(n["id"]) == node_id)
+        assert node["inputs"]["layout"] in widgets
+        consumers = [v for v in prompt.values() if any(link == [node_id, 0] for link in v["inputs"].values())]
+        assert consumers, f"the MODEL output of node {node_id} is not used"
