@@ -62,23 +62,27 @@ FLUX_AE_DDCONFIG = {
 }
 
 
+def seeded_values(name: str, shape: torch.Size, generator: torch.Generator) -> torch.Tensor:
+    """A reproducible fp32 value for one parameter: matrices ~ N(0, 1/fan_in), norm scales 1,
+    other vectors ~ N(0, 0.02^2). Callers draw in a fixed order from one generator."""
+    if len(shape) >= 2:
+        return torch.randn(shape, generator=generator) / math.sqrt(math.prod(shape[1:]))
+    if "norm" in name or name.endswith(".scale"):
+        return torch.ones(shape)
+    return torch.randn(shape, generator=generator) * 0.02
+
+
 def seeded_state(module: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The module's state dict with reproducible values: matrices ~ N(0, 1/fan_in), norm
-    weights 1, other vectors small; buffers (e.g. CLIP's position ids) kept as they are."""
+    """The module's state dict with `seeded_values` for its floating-point parameters;
+    buffers (e.g. CLIP's position ids) are kept as they are."""
     gen = torch.Generator().manual_seed(seed)
     params = dict(module.named_parameters())
     out = {}
     for name, tensor in module.state_dict().items():
         if name not in params or not tensor.is_floating_point():
             out[name] = tensor.clone()
-            continue
-        if tensor.ndim >= 2:
-            values = torch.randn(tensor.shape, generator=gen) / math.sqrt(math.prod(tensor.shape[1:]))
-        elif "norm" in name or name.endswith(".scale"):
-            values = torch.ones(tensor.shape)
         else:
-            values = torch.randn(tensor.shape, generator=gen) * 0.02
-        out[name] = values.to(dtype).contiguous()
+            out[name] = seeded_values(name, tensor.shape, gen).to(dtype).contiguous()
     return out
 
 
@@ -113,16 +117,10 @@ def clip_l_state_dict(seed: int = 3) -> dict[str, torch.Tensor]:
 def _seeded_from_meta(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """Seeded values for a model built on the meta device (so no memory is spent twice)."""
     gen = torch.Generator().manual_seed(seed)
-    out = {}
-    for name, param in model.named_parameters():
-        if param.ndim >= 2:
-            values = torch.randn(param.shape, generator=gen) / math.sqrt(math.prod(param.shape[1:]))
-        elif "norm" in name or name.endswith(".scale"):
-            values = torch.ones(param.shape)
-        else:
-            values = torch.randn(param.shape, generator=gen) * 0.02
-        out[name] = values.to(dtype).contiguous()
-    return out
+    return {
+        name: seeded_values(name, param.shape, gen).to(dtype).contiguous()
+        for name, param in model.named_parameters()
+    }
 
 
 def _write_atomic(state: dict[str, torch.Tensor], path: Path) -> None:

@@ -6,8 +6,6 @@ memory `torch.empty` returned; `seeded_init_` gives every parameter a reproducib
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 # Hidden 64 with 2 heads: head dim 32 = sum(axes_dim). Text 48 / pooled 32 keep it tiny.
@@ -45,21 +43,14 @@ SMALL_VAE_DDCONFIG = {
 
 
 def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
-    """Fill every parameter deterministically: matrices ~ N(0, 1/fan_in), norm scales 1,
-    biases small. Iterates in `named_parameters` order, so the same architecture and seed
-    always give the same weights."""
+    """Fill every parameter deterministically (the demo assets' rule, `seeded_values`), in
+    `named_parameters` order: the same architecture and seed always give the same weights."""
+    from demo_assets import seeded_values
+
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if param.ndim >= 2:
-                fan_in = math.prod(param.shape[1:])
-                values = torch.randn(param.shape, generator=gen) / math.sqrt(fan_in)
-            elif leaf == "scale" or "norm" in name:
-                values = torch.ones(param.shape)
-            else:
-                values = torch.randn(param.shape, generator=gen) * 0.02
-            param.copy_(values.to(param.dtype))
+            param.copy_(seeded_values(name, param.shape, gen).to(param.dtype))
     return module
 
 
