@@ -1,0 +1,129 @@
+"""The objective's pure functions against values computed by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from trainer_core.objective import (
+    SigmaSampler,
+    apply_caption_dropout,
+    caption_dropout_mask,
+    flux_mu,
+    loss_weights,
+    masked_flow_loss,
+    noisy_input,
+    sample_sigmas,
+    shift_sigma,
+    sigmas_from_draws,
+    time_shift,
+)
+
+NORMAL = torch.tensor([0.0, 1.0, -2.0])
+UNIFORM = torch.tensor([0.25, 0.5, 0.9])
+
+
+def sig(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+def test_uniform_returns_the_uniform_draws():
+    assert torch.equal(sigmas_from_draws(SigmaSampler("uniform"), NORMAL, UNIFORM, 1024), UNIFORM)
+
+
+def test_logit_normal():
+    sampler = SigmaSampler("logit_normal", logit_mean=0.5, logit_std=2.0)
+    # sigmoid(0.5 + 2 n): n = 0 -> sigmoid(0.5) = 0.622459; n = 1 -> sigmoid(2.5) = 0.924142;
+    # n = -2 -> sigmoid(-3.5) = 0.029312
+    expected = torch.tensor([0.622459, 0.924142, 0.029312])
+    assert torch.allclose(sigmas_from_draws(sampler, NORMAL, UNIFORM, 1024), expected, atol=1e-6)
+
+
+def test_sigmoid_with_scale():
+    got = sigmas_from_draws(SigmaSampler("sigmoid", sigmoid_scale=0.5), NORMAL, UNIFORM, 1024)
+    assert torch.allclose(got, torch.tensor([0.5, sig(0.5), sig(-1.0)]), atol=1e-6)
+
+
+def test_fixed_shift():
+    # shift 3 on s = 0.5: 1.5 / (1 + 2 * 0.5) = 0.75; on sigmoid(1) = 0.731059:
+    # 2.193176 / 2.462117 = 0.890768
+    assert torch.allclose(
+        shift_sigma(torch.tensor([0.5, 0.731059]), 3.0), torch.tensor([0.75, 0.890768]), atol=1e-6
+    )
+    got = sigmas_from_draws(SigmaSampler("shift", shift=3.0), NORMAL[:2], UNIFORM[:2], 1024)
+    assert torch.allclose(got, torch.tensor([0.75, 0.890768]), atol=1e-6)
+
+
+def test_flux_resolution_shift():
+    # mu: 256 tokens -> 0.5, 4096 -> 1.15, 1024 (a 512x512 image) -> 0.5 + 0.65 * 768 / 3840 = 0.63
+    assert flux_mu(256) == pytest.approx(0.5) and flux_mu(4096) == pytest.approx(1.15)
+    assert flux_mu(1024) == pytest.approx(0.63)
+    # s = 0.5 -> e^mu / (e^mu + 1): mu 1.15 -> 3.158193 / 4.158193 = 0.759510
+    assert float(time_shift(torch.tensor(0.5), 1.15)) == pytest.approx(0.759510, abs=1e-6)
+    got = sigmas_from_draws(SigmaSampler("flux_shift"), torch.tensor([0.0]), torch.tensor([0.3]), 4096)
+    assert float(got[0]) == pytest.approx(0.759510, abs=1e-6)
+    # more tokens -> more noise
+    low = sigmas_from_draws(SigmaSampler("flux_shift"), NORMAL, UNIFORM, 256)
+    high = sigmas_from_draws(SigmaSampler("flux_shift"), NORMAL, UNIFORM, 4096)
+    assert (high > low).all()
+
+
+def test_sample_sigmas_is_seeded_and_in_range():
+    sampler = SigmaSampler("logit_normal")
+    a = sample_sigmas(sampler, 64, torch.Generator().manual_seed(1), 1024)
+    b = sample_sigmas(sampler, 64, torch.Generator().manual_seed(1), 1024)
+    c = sample_sigmas(sampler, 64, torch.Generator().manual_seed(2), 1024)
+    assert torch.equal(a, b) and not torch.equal(a, c)
+    assert (a > 0).all() and (a < 1).all()
+
+
+def test_unknown_sampler_names_the_choices():
+    with pytest.raises(ValueError, match="unknown timestep sampler 'cosine'"):
+        SigmaSampler("cosine")
+
+
+def test_noisy_input_and_target():
+    x0, noise = torch.ones(2, 1, 2), torch.full((2, 1, 2), 3.0)
+    sigma = torch.tensor([0.25, 1.0])
+    x_t, target = noisy_input(x0, noise, sigma)
+    # 0.75 * 1 + 0.25 * 3 = 1.5; at sigma 1 the input is pure noise
+    assert torch.equal(x_t[0], torch.full((1, 2), 1.5)) and torch.equal(x_t[1], noise[1])
+    assert torch.equal(target, torch.full((2, 1, 2), 2.0))
+    # input perturbation: 0.75 * 1 + 0.25 * (3 + 0.5 * 1) = 1.625; the target does not move
+    x_t, target = noisy_input(x0, noise, sigma, perturbation=torch.ones(2, 1, 2), ip_noise_gamma=0.5)
+    assert torch.allclose(x_t[0], torch.full((1, 2), 1.625)) and torch.equal(
+        target, torch.full((2, 1, 2), 2.0)
+    )
+
+
+def test_loss_weights():
+    sigma = torch.tensor([0.5, 0.25])
+    assert torch.equal(loss_weights(sigma, "none"), torch.ones(2))
+    assert torch.allclose(loss_weights(sigma, "sigma_sqrt"), torch.tensor([4.0, 16.0]))
+    # cosmap: s = 0.5 -> 2 / (pi * 0.5) = 1.273240; s = 0.25 -> 2 / (pi * 0.625) = 1.018592
+    assert torch.allclose(loss_weights(sigma, "cosmap"), torch.tensor([1.273240, 1.018592]), atol=1e-6)
+    with pytest.raises(ValueError, match="unknown loss weighting 'snr'"):
+        loss_weights(sigma, "snr")
+
+
+def test_masked_loss_sees_only_target_tokens():
+    # sample 0: tokens 0-1 target (errors 1 and 3 -> squares 1, 9 -> mean 5), token 2 a reference
+    # with a huge error; sample 1: token 0 target (error 2 -> 4), tokens 1-2 padding.
+    prediction = torch.tensor([[[1.0], [3.0], [100.0]], [[2.0], [-50.0], [70.0]]])
+    target = torch.zeros_like(prediction)
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    loss = masked_flow_loss(prediction, target, mask, torch.tensor([1.0, 0.5]))
+    assert float(loss) == pytest.approx((5.0 * 1.0 + 4.0 * 0.5) / 2)
+
+
+def test_caption_dropout():
+    drop = caption_dropout_mask(torch.tensor([0.1, 0.5, 0.9]), 0.5)
+    assert drop.tolist() == [True, False, False]
+    context, pooled = torch.ones(3, 2, 4), torch.ones(3, 4)
+    new_context, new_pooled = apply_caption_dropout(
+        context, pooled, torch.zeros(1, 2, 4), torch.zeros(1, 4), drop
+    )
+    assert new_context[0].abs().sum() == 0 and torch.equal(new_context[1:], context[1:])
+    assert new_pooled[0].abs().sum() == 0 and torch.equal(new_pooled[1:], pooled[1:])

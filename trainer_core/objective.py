@@ -1,0 +1,133 @@
+"""The rectified-flow objective: timestep (sigma) samplers, noisy inputs, loss weighting,
+the masked loss and caption dropout. Small pure functions; `tests/trainer_core/
+test_objective.py` checks each against hand-computed values.
+
+Conventions: sigma in (0, 1) is the noise level, x_t = (1 - sigma) * x0 + sigma * noise,
+the model predicts the velocity noise - x0 (Flux's flow-matching target).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+SAMPLERS = ("uniform", "logit_normal", "sigmoid", "shift", "flux_shift")
+WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+
+# Flux's resolution-dependent shift: mu grows linearly with the image token count between
+# these two points (256 tokens -> 0.5, 4096 tokens -> 1.15), as in Flux's own scheduler.
+FLUX_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
+
+
+@dataclass(frozen=True)
+class SigmaSampler:
+    kind: str = "sigmoid"  # one of SAMPLERS
+    logit_mean: float = 0.0  # logit_normal: mean of the normal before the sigmoid
+    logit_std: float = 1.0  # logit_normal: its standard deviation
+    sigmoid_scale: float = 1.0  # sigmoid / shift / flux_shift: sigmoid(scale * normal)
+    shift: float = 3.0  # shift: the fixed discrete-flow shift
+
+    def __post_init__(self):
+        if self.kind not in SAMPLERS:
+            raise ValueError(f"unknown timestep sampler {self.kind!r}; choose one of {', '.join(SAMPLERS)}")
+
+
+def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
+    """Fixed shift: s' = shift * s / (1 + (shift - 1) * s); shift > 1 moves mass to noise."""
+    return shift * sigma / (1 + (shift - 1) * sigma)
+
+
+def flux_mu(image_tokens: int) -> float:
+    """Flux's shift exponent for an image of `image_tokens` tokens (linear in the count)."""
+    (x1, y1), (x2, y2) = FLUX_SHIFT_POINTS
+    return y1 + (y2 - y1) * (image_tokens - x1) / (x2 - x1)
+
+
+def time_shift(sigma: torch.Tensor, mu: float) -> torch.Tensor:
+    """s' = e^mu / (e^mu + (1/s - 1)): the shift Flux applies for a given mu."""
+    return math.exp(mu) / (math.exp(mu) + (1 / sigma - 1))
+
+
+def sigmas_from_draws(
+    sampler: SigmaSampler, normal: torch.Tensor, uniform: torch.Tensor, image_tokens: int
+) -> torch.Tensor:
+    """Map standard-normal and uniform draws to sigmas; deterministic given the draws."""
+    if sampler.kind == "uniform":
+        return uniform
+    if sampler.kind == "logit_normal":
+        return torch.sigmoid(sampler.logit_mean + sampler.logit_std * normal)
+    base = torch.sigmoid(sampler.sigmoid_scale * normal)
+    if sampler.kind == "sigmoid":
+        return base
+    if sampler.kind == "shift":
+        return shift_sigma(base, sampler.shift)
+    return time_shift(base, flux_mu(image_tokens))  # flux_shift
+
+
+def sample_sigmas(
+    sampler: SigmaSampler, batch: int, generator: torch.Generator, image_tokens: int
+) -> torch.Tensor:
+    """One sigma per sample, drawn from `generator` (always both draws, so the random stream
+    does not depend on the sampler kind), clamped away from 0 and 1."""
+    normal = torch.randn(batch, generator=generator)
+    uniform = torch.rand(batch, generator=generator)
+    return sigmas_from_draws(sampler, normal, uniform, image_tokens).clamp(1e-5, 1 - 1e-5)
+
+
+def noisy_input(
+    x0: torch.Tensor,
+    noise: torch.Tensor,
+    sigma: torch.Tensor,
+    perturbation: torch.Tensor | None = None,
+    ip_noise_gamma: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x_t, target). Input perturbation (ip_noise_gamma) adds gamma * perturbation to the noise
+    that builds x_t only; the target stays noise - x0, so the model learns to be robust to it."""
+    s = sigma.reshape(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
+    input_noise = (
+        noise if perturbation is None or ip_noise_gamma == 0 else noise + ip_noise_gamma * perturbation
+    )
+    return (1 - s) * x0 + s * input_noise, noise - x0
+
+
+def loss_weights(sigma: torch.Tensor, weighting: str) -> torch.Tensor:
+    """Per-sample loss weight: none -> 1; sigma_sqrt -> sigma^-2; cosmap -> 2 / (pi (1 - 2s + 2s^2))."""
+    if weighting == "none":
+        return torch.ones_like(sigma)
+    if weighting == "sigma_sqrt":
+        return sigma.pow(-2.0)
+    if weighting == "cosmap":
+        return 2.0 / (math.pi * (1 - 2 * sigma + 2 * sigma * sigma))
+    raise ValueError(f"unknown loss weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+
+
+def masked_flow_loss(
+    prediction: torch.Tensor, target: torch.Tensor, token_mask: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """Weighted MSE over the target tokens only. prediction/target (B, L, D), token_mask (B, L)
+    bool (reference tokens and padding are False), weights (B,). Each sample's error is the
+    mean over its own target tokens, so a larger image does not outweigh a smaller one."""
+    mask = token_mask.to(prediction.dtype)
+    squared = (prediction.float() - target.float()).pow(2).mean(dim=-1) * mask
+    per_sample = squared.sum(dim=1) / mask.sum(dim=1).clamp_min(1)
+    return (per_sample * weights.to(per_sample.dtype)).mean()
+
+
+def caption_dropout_mask(uniform: torch.Tensor, probability: float) -> torch.Tensor:
+    """Which samples train on the empty prompt this step: uniform draw < probability."""
+    return uniform < probability
+
+
+def apply_caption_dropout(
+    context: torch.Tensor,
+    pooled: torch.Tensor,
+    empty_context: torch.Tensor,
+    empty_pooled: torch.Tensor,
+    drop: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Swap in the cached empty-prompt embedding for the dropped samples."""
+    context = torch.where(drop[:, None, None], empty_context.expand_as(context), context)
+    pooled = torch.where(drop[:, None], empty_pooled.expand_as(pooled), pooled)
+    return context, pooled
