@@ -1,0 +1,114 @@
+"""LoRA files: keys the stock LoraLoader applies, kohya-style metadata, atomic writes.
+
+Keys are `diffusion_model.<module>.lora_A.weight` (rank x in), `.lora_B.weight` (out x rank)
+and `.alpha` (a scalar): ComfyUI's `model_lora_keys_unet` maps `diffusion_model.<module>` to
+the Flux weight `<module>.weight` and applies W + strength * (alpha / rank) * B @ A.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+KEY_PREFIX = "diffusion_model."
+
+
+@dataclass
+class LoraModule:
+    down: torch.Tensor  # lora_A, (rank, in_features)
+    up: torch.Tensor  # lora_B, (out_features, rank)
+    alpha: float
+
+    @property
+    def rank(self) -> int:
+        return self.down.shape[0]
+
+    def delta(self) -> torch.Tensor:
+        """The full-size weight change (alpha / rank) * B @ A, for checks and merging only."""
+        return (self.alpha / self.rank) * (self.up.float() @ self.down.float())
+
+
+def to_state_dict(
+    modules: Mapping[str, LoraModule], dtype: torch.dtype = torch.float32
+) -> dict[str, torch.Tensor]:
+    """`modules` maps Flux module names (e.g. `double_blocks.0.img_attn.qkv`) to their LoRA."""
+    state = {}
+    for name, module in modules.items():
+        if module.up.shape[1] != module.rank:
+            raise ValueError(
+                f"{name}: lora_B has {module.up.shape[1]} columns but lora_A has rank {module.rank}"
+            )
+        key = KEY_PREFIX + name
+        state[f"{key}.lora_A.weight"] = module.down.detach().to(dtype).contiguous().cpu()
+        state[f"{key}.lora_B.weight"] = module.up.detach().to(dtype).contiguous().cpu()
+        state[f"{key}.alpha"] = torch.tensor(float(module.alpha))
+    return state
+
+
+def from_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, LoraModule]:
+    modules = {}
+    for key in state:
+        if key.startswith(KEY_PREFIX) and key.endswith(".lora_A.weight"):
+            name = key[len(KEY_PREFIX) : -len(".lora_A.weight")]
+            down, up = state[key], state[f"{KEY_PREFIX}{name}.lora_B.weight"]
+            alpha_key = f"{KEY_PREFIX}{name}.alpha"
+            alpha = float(state[alpha_key]) if alpha_key in state else float(down.shape[0])
+            modules[name] = LoraModule(down, up, alpha)
+    return modules
+
+
+def kohya_metadata(
+    rank: int,
+    alpha: float,
+    base_model: str,
+    steps: int,
+    resolution: int,
+    extra: Mapping[str, object] | None = None,
+) -> dict[str, str]:
+    """kohya-style `ss_*` fields that LoRA browsers read, plus ours under `kontext_trainer.*`
+    (layout, targets, sampler, trainer version, dataset hash, ...). All values are strings."""
+    metadata = {
+        "ss_network_module": "networks.lora",
+        "ss_network_dim": str(rank),
+        "ss_network_alpha": str(alpha),
+        "ss_base_model_version": base_model,
+        "ss_steps": str(steps),
+        "ss_resolution": f"({resolution}, {resolution})",
+    }
+    for key, value in (extra or {}).items():
+        metadata[f"kontext_trainer.{key}"] = value if isinstance(value, str) else json.dumps(value)
+    return metadata
+
+
+def save_atomic(
+    state: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
+) -> Path:
+    """Write a safetensors file whole or not at all: a temp file in the same folder, flushed,
+    then renamed over the destination. An existing file stays intact if anything fails."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(dict(state), tmp_name, metadata=dict(metadata or {}))
+        with open(tmp_name, "rb") as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException:
+        Path(tmp_name).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    """Tensors and metadata of a safetensors file (never a pickle)."""
+    with safe_open(str(path), framework="pt") as handle:
+        return {key: handle.get_tensor(key) for key in handle.keys()}, dict(handle.metadata() or {})
