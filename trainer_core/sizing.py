@@ -24,18 +24,15 @@ def fit_to_area(width: int, height: int, resolution: int, multiple: int = MULTIP
     """Target (width, height) for an image: aspect kept, area ~ resolution**2, sides % multiple == 0."""
     if width < 1 or height < 1:
         raise ValueError(f"image size must be positive, got {width}x{height}")
-    if resolution == 0:
-        scale = 1.0
-    else:
-        # 1) the scale that brings the area to resolution**2
-        scale = math.sqrt(resolution * resolution / (width * height))
+    if resolution == 0:  # keep: only ever crop down to a multiple, never stretch up
+        return max(multiple, width // multiple * multiple), max(multiple, height // multiple * multiple)
+    # 1) the scale that brings the area to resolution**2
+    scale = math.sqrt(resolution * resolution / (width * height))
     # 2) round each side to the nearest multiple, never below one multiple
-    new_w = max(multiple, round(width * scale / multiple) * multiple)
-    new_h = max(multiple, round(height * scale / multiple) * multiple)
-    if resolution == 0:  # keep: only ever crop, never stretch up
-        new_w = max(multiple, (width // multiple) * multiple)
-        new_h = max(multiple, (height // multiple) * multiple)
-    return new_w, new_h
+    return (
+        max(multiple, round(width * scale / multiple) * multiple),
+        max(multiple, round(height * scale / multiple) * multiple),
+    )
 
 
 def check_side_cap(width: int, height: int, what: str) -> None:
