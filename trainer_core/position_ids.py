@@ -118,7 +118,3 @@ def image_position_ids(
     ):
         parts.append(grid_ids(size, index, row_off, col_off, patch_size))
     return torch.cat(parts, dim=0)
-
-
-def token_count(target: LatentSize, references: Sequence[LatentSize], patch_size: int = 2) -> int:
-    return sum(rows * cols for rows, cols in (patch_grid(s, patch_size) for s in (target, *references)))

@@ -81,11 +81,12 @@ def tiny_flux_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, **overr
 def small_flux_vae(seed: int = 0):
     """A ComfyUI VAE object with Flux's topology (16 latent channels, 8x) but few channels."""
     import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
 
     encoder_decoder = {"ddconfig": SMALL_VAE_DDCONFIG, "embed_dim": 16}
-    # Build once to learn the key layout, then load seeded weights through the normal path.
-    vae = comfy.sd.VAE(sd={}, config={"params": encoder_decoder})
-    state = seeded_init_(vae.first_stage_model, seed).state_dict()
+    # Seed the weights on the autoencoder class ComfyUI's VAE builds for this config, then load
+    # them through the normal VAE path.
+    state = seeded_init_(AutoencoderKL(**encoder_decoder), seed).state_dict()
     vae = comfy.sd.VAE(sd=state, config={"params": encoder_decoder})
     vae.latent_channels = 16
     return vae
