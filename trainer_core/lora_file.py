@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,13 +53,35 @@ def to_state_dict(
     return state
 
 
-def from_state_dict(state: Mapping[str, torch.Tensor]) -> dict[str, LoraModule]:
+_PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
+KOHYA_PREFIX = "lora_unet_"
+
+
+def from_state_dict(
+    state: Mapping[str, torch.Tensor], module_names: Sequence[str] = ()
+) -> dict[str, LoraModule]:
+    """LoRA modules from a state dict in our format (`diffusion_model.<module>.lora_A/B`),
+    its `lora_down/lora_up` variant, or kohya's `lora_unet_<module_with_underscores>` (which
+    needs the model's `module_names` to undo the underscores). A missing alpha means alpha =
+    rank, as ComfyUI assumes."""
+    kohya = {KOHYA_PREFIX + name.replace(".", "_"): name for name in module_names}
     modules = {}
     for key in state:
-        if key.startswith(KEY_PREFIX) and key.endswith(".lora_A.weight"):
-            name = key[len(KEY_PREFIX) : -len(".lora_A.weight")]
-            down, up = state[key], state[f"{KEY_PREFIX}{name}.lora_B.weight"]
-            alpha_key = f"{KEY_PREFIX}{name}.alpha"
+        for down_suffix, up_suffix in _PAIRS:
+            if not key.endswith(down_suffix):
+                continue
+            stem = key[: -len(down_suffix)]
+            if stem.startswith(KEY_PREFIX):
+                name = stem[len(KEY_PREFIX) :]
+            elif stem in kohya:
+                name = kohya[stem]
+            else:
+                continue
+            up_key = stem + up_suffix
+            if up_key not in state:
+                raise ValueError(f"the LoRA file has {key} but no {up_key}")
+            down, up = state[key], state[up_key]
+            alpha_key = f"{stem}.alpha"
             alpha = float(state[alpha_key]) if alpha_key in state else float(down.shape[0])
             modules[name] = LoraModule(down, up, alpha)
     return modules

@@ -39,21 +39,24 @@ def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def flux_mu(image_tokens: int) -> float:
+def flux_mu(image_tokens: int | torch.Tensor) -> float | torch.Tensor:
     """Flux's shift exponent for an image of `image_tokens` tokens (linear in the count)."""
     (x1, y1), (x2, y2) = FLUX_SHIFT_POINTS
     return y1 + (y2 - y1) * (image_tokens - x1) / (x2 - x1)
 
 
-def time_shift(sigma: torch.Tensor, mu: float) -> torch.Tensor:
-    """s' = e^mu / (e^mu + (1/s - 1)): the shift Flux applies for a given mu."""
-    return math.exp(mu) / (math.exp(mu) + (1 / sigma - 1))
+def time_shift(sigma: torch.Tensor, mu: float | torch.Tensor) -> torch.Tensor:
+    """s' = e^mu / (e^mu + (1/s - 1)): the shift Flux applies for a given mu (per sample if
+    `mu` is a tensor)."""
+    exp_mu = torch.exp(torch.as_tensor(mu, dtype=sigma.dtype))
+    return exp_mu / (exp_mu + (1 / sigma - 1))
 
 
 def sigmas_from_draws(
-    sampler: SigmaSampler, normal: torch.Tensor, uniform: torch.Tensor, image_tokens: int
+    sampler: SigmaSampler, normal: torch.Tensor, uniform: torch.Tensor, image_tokens: int | torch.Tensor
 ) -> torch.Tensor:
-    """Map standard-normal and uniform draws to sigmas; deterministic given the draws."""
+    """Map standard-normal and uniform draws to sigmas; deterministic given the draws.
+    `image_tokens` (per sample or shared) only matters to flux_shift."""
     if sampler.kind == "uniform":
         return uniform
     if sampler.kind == "logit_normal":
@@ -63,11 +66,13 @@ def sigmas_from_draws(
         return base
     if sampler.kind == "shift":
         return shift_sigma(base, sampler.shift)
+    if torch.is_tensor(image_tokens):
+        image_tokens = image_tokens.to(base.dtype)
     return time_shift(base, flux_mu(image_tokens))  # flux_shift
 
 
 def sample_sigmas(
-    sampler: SigmaSampler, batch: int, generator: torch.Generator, image_tokens: int
+    sampler: SigmaSampler, batch: int, generator: torch.Generator, image_tokens: int | torch.Tensor
 ) -> torch.Tensor:
     """One sigma per sample, drawn from `generator` (always both draws, so the random stream
     does not depend on the sampler kind), clamped away from 0 and 1."""
@@ -109,8 +114,9 @@ def masked_flow_loss(
     """Weighted MSE over the target tokens only. prediction/target (B, L, D), token_mask (B, L)
     bool (reference tokens and padding are False), weights (B,). Each sample's error is the
     mean over its own target tokens, so a larger image does not outweigh a smaller one."""
-    mask = token_mask.to(prediction.dtype)
-    squared = (prediction.float() - target.float()).pow(2).mean(dim=-1) * mask
+    dtype = torch.promote_types(prediction.dtype, torch.float32)  # at least fp32 for the sum
+    mask = token_mask.to(dtype)
+    squared = (prediction.to(dtype) - target.to(dtype)).pow(2).mean(dim=-1) * mask
     per_sample = squared.sum(dim=1) / mask.sum(dim=1).clamp_min(1)
     return (per_sample * weights.to(per_sample.dtype)).mean()
 

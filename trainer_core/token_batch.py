@@ -10,7 +10,7 @@ loss may use (target image only: never references, never padding).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from einops import rearrange
@@ -49,6 +49,25 @@ class TokenBatch:
     target: torch.Tensor  # (B, L) bool: a target token (what the loss sees)
     target_sizes: list[tuple[int, int]]  # per-sample target latent (H, W)
     patch_size: int = 2
+    reference_sizes: list[list[tuple[int, int]]] = field(default_factory=list)  # per sample, (h, w) each
+
+    def is_uniform(self) -> bool:
+        """Every sample has the same target size and the same reference sizes (no padding)."""
+        return len(set(self.target_sizes)) == 1 and all(
+            sizes == self.reference_sizes[0] for sizes in self.reference_sizes
+        )
+
+    def split_latents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """For a uniform batch: (B, L, D) tokens -> the (B, C, H, W) target and the list of
+        (B, C, h, w) references, as ComfyUI's Flux takes them (`x`, `ref_latents`)."""
+        if not self.is_uniform():
+            raise ValueError("split_latents needs a batch whose samples share all sizes")
+        pieces, start = [], 0
+        for height, width in [self.target_sizes[0], *self.reference_sizes[0]]:
+            count = (height // self.patch_size) * (width // self.patch_size)
+            pieces.append(unpack_tokens(tokens[:, start : start + count], height, width, self.patch_size))
+            start += count
+        return pieces[0], pieces[1:]
 
     def target_latents(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Per sample, the target tokens of `tokens` (B, L, D) unpacked to (C, H, W)."""
@@ -101,7 +120,15 @@ def build_token_batch(
         ids[i, : rows.shape[0]] = sample_ids.to(tokens.device)
         valid[i, : rows.shape[0]] = True
         target[i, :n_target] = True
-    return TokenBatch(tokens, ids, valid, target, [tuple(t.shape[-2:]) for t in targets], patch_size)
+    return TokenBatch(
+        tokens,
+        ids,
+        valid,
+        target,
+        [tuple(t.shape[-2:]) for t in targets],
+        patch_size,
+        [[tuple(r.shape[-2:]) for r in refs] for refs in references],
+    )
 
 
 def attention_bias(

@@ -64,3 +64,28 @@ def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
         save_atomic({"bad": "not a tensor"}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["x.safetensors"]
+
+
+def test_reads_lora_down_up_and_kohya_keys():
+    gen = torch.Generator().manual_seed(4)
+    down, up = torch.randn(2, 6, generator=gen), torch.randn(9, 2, generator=gen)
+    names = ["double_blocks.0.img_attn.qkv", "single_blocks.3.linear1"]
+    state = {
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight": down,
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight": up,
+        "lora_unet_single_blocks_3_linear1.lora_down.weight": down * 2,
+        "lora_unet_single_blocks_3_linear1.lora_up.weight": up * 2,
+        "lora_unet_single_blocks_3_linear1.alpha": torch.tensor(0.5),
+        "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight": down,  # not ours: ignored
+    }
+    modules = from_state_dict(state, names)
+    assert set(modules) == set(names)
+    qkv, linear1 = modules["double_blocks.0.img_attn.qkv"], modules["single_blocks.3.linear1"]
+    assert torch.equal(qkv.down, down) and torch.equal(qkv.up, up) and qkv.alpha == 2.0  # alpha = rank
+    assert torch.equal(linear1.down, down * 2) and linear1.alpha == 0.5
+
+
+def test_half_a_pair_is_an_error():
+    state = {"diffusion_model.single_blocks.0.linear2.lora_A.weight": torch.zeros(2, 4)}
+    with pytest.raises(ValueError, match=r"no diffusion_model\.single_blocks\.0\.linear2\.lora_B\.weight"):
+        from_state_dict(state)

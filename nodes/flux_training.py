@@ -1,0 +1,177 @@
+"""Training a LoRA on the Flux inside a ComfyUI MODEL (the adapter between `trainer_core` and
+ComfyUI).
+
+`flux_lora_session(model, config)` is a context manager that
+1. clones the MODEL (`with_reference_ids`: our reference layout) and installs the out-of-place
+   block forwards on the clone (`flux_blocks`), all as ModelPatcher patches;
+2. loads the clone the way sampling does (`load_models_gpu`), so any weight patches the MODEL
+   carries (a LoRA from the stock loader, ...) are applied: we train exactly the model the
+   user loaded;
+3. attaches peft LoRA layers to the shared diffusion model for the duration of the `with`
+   block and removes them on exit, whatever happens. The MODEL object the user holds never
+   gets a patch, and once the block exits its module tree is the original one again.
+
+`FluxLoraSession.predict` is the model call of the objective: for a batch whose samples share
+their sizes it is exactly the call `BaseModel._apply_model` makes (ComfyUI's Flux `forward`
+with `ref_latents` and `ref_latents_method`, through its wrappers and patches; inputs cast
+the same way); a padded mixed-size batch goes through `forward_orig` with per-sample ids and
+an attention mask (`reference_ids.forward_token_batch`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..trainer_core import lora_file
+from ..trainer_core.config import TrainConfig
+from ..trainer_core.flow_step import EmptyText, flow_matching_loss
+from ..trainer_core.lora_adapters import AttachedLora, attach_lora
+from ..trainer_core.lora_file import LoraModule
+from ..trainer_core.lora_targets import target_module_names
+from ..trainer_core.token_batch import TokenBatch, pack_latent
+from .flux_blocks import install_trainable_blocks
+from .reference_ids import forward_token_batch, with_reference_ids
+
+
+def linear_names(module: torch.nn.Module) -> list[str]:
+    return [name for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)]
+
+
+def _compute_dtype(base_model) -> torch.dtype:
+    return base_model.manual_cast_dtype or base_model.get_dtype()
+
+
+@dataclass
+class FluxLoraSession:
+    patcher: object  # the training clone (ModelPatcher)
+    lora: AttachedLora
+    config: TrainConfig
+    empty_text: EmptyText | None = None
+
+    @property
+    def diffusion_model(self):
+        return self.patcher.model.diffusion_model
+
+    def transformer_options(self) -> dict:
+        """What sampling hands the model: the clone's transformer options with its wrappers
+        merged in (`sampler_helpers.prepare_model_patcher` does the same). A fresh dict per
+        call, because Flux writes block indices into it."""
+        import comfy.model_patcher
+        import comfy.patcher_extension
+
+        options = comfy.model_patcher.create_model_options_clone(self.patcher.model_options)
+        transformer_options = options["transformer_options"]
+        comfy.patcher_extension.merge_nested_dicts(
+            transformer_options.setdefault("wrappers", {}), self.patcher.wrappers, copy_dict1=False
+        )
+        return transformer_options
+
+    def predict(
+        self, batch: TokenBatch, sigma: torch.Tensor, context: torch.Tensor, pooled: torch.Tensor
+    ) -> torch.Tensor:
+        """(B, L, D) velocity for every token of `batch` (non-target rows are zero or junk)."""
+        base_model = self.patcher.model
+        dtype, device = _compute_dtype(base_model), self.patcher.load_device
+        tokens = batch.tokens.to(device, dtype)
+        timestep = sigma.to(device, torch.float32)
+        context = context.to(device, dtype)
+        pooled = pooled.to(device, dtype)
+        guidance = None
+        if self.diffusion_model.params.guidance_embed:
+            guidance = torch.full((tokens.shape[0],), self.config.guidance, device=device, dtype=dtype)
+        options = self.transformer_options()
+        if not batch.is_uniform():
+            moved = TokenBatch(
+                tokens,
+                batch.ids.to(device),
+                batch.valid.to(device),
+                batch.target.to(device),
+                batch.target_sizes,
+                batch.patch_size,
+                batch.reference_sizes,
+            )
+            return forward_token_batch(
+                self.diffusion_model, moved, timestep, context, pooled, guidance, options
+            )
+        x, references = batch.split_latents(tokens)
+        out = self.diffusion_model(
+            x,
+            timestep,
+            context=context,
+            y=pooled,
+            guidance=guidance,
+            ref_latents=references or None,
+            control=None,
+            transformer_options=options,
+            ref_latents_method=self.config.layout,
+        )
+        packed = pack_latent(out, batch.patch_size)
+        rest = tokens.shape[1] - packed.shape[1]
+        return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
+
+    def save(
+        self, path, steps: int, resolution: int, base_model: str = "flux1", dataset_hash: str = ""
+    ) -> Path:
+        """Write the current LoRA (stock-loader keys, metadata) atomically to `path`."""
+        metadata = self.config.file_metadata(steps, resolution, base_model, dataset_hash)
+        return lora_file.save_atomic(lora_file.to_state_dict(self.lora.modules()), path, metadata)
+
+    def loss(self, samples, generator: torch.Generator) -> torch.Tensor:
+        """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`)."""
+        return flow_matching_loss(
+            self.predict, samples, self.config, generator, self.empty_text, self.diffusion_model.patch_size
+        )
+
+
+def initial_lora_from_file(path, model) -> dict[str, LoraModule]:
+    """The LoRA modules of a safetensors file, to continue training from (any key format the
+    stock loader reads for Flux: ours, lora_down/lora_up, kohya)."""
+    state, _ = lora_file.load(path)
+    modules = lora_file.from_state_dict(state, linear_names(model.model.diffusion_model))
+    if not modules:
+        raise ValueError(
+            f"{path}: no Flux transformer LoRA weights found (expected keys like "
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight)"
+        )
+    return modules
+
+
+def _rng_devices() -> list[int]:
+    return [torch.cuda.current_device()] if torch.cuda.is_available() else []
+
+
+@contextlib.contextmanager
+def flux_lora_session(
+    model,
+    config: TrainConfig,
+    initial: Mapping[str, LoraModule] | None = None,
+    empty_text: EmptyText | None = None,
+):
+    """Yield a `FluxLoraSession` training a new LoRA (or `initial`) on a clone of `model`.
+
+    Runs with inference mode off (ComfyUI executes nodes under `torch.inference_mode`) and
+    with torch's global RNG forked and seeded from `config.seed` (LoRA init, dropout), so the
+    caller's random state is untouched and the same seed gives the same run.
+    """
+    import comfy.model_management
+
+    with torch.inference_mode(False), torch.random.fork_rng(devices=_rng_devices()):
+        torch.manual_seed(config.seed)
+        clone = with_reference_ids(model)
+        install_trainable_blocks(clone, config.gradient_checkpointing)
+        comfy.model_management.load_models_gpu([clone])
+        diffusion_model = clone.model.diffusion_model
+        names = target_module_names(linear_names(diffusion_model), config.targets)
+        lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
+        was_training = diffusion_model.training
+        try:
+            diffusion_model.train(config.dropout > 0)
+            yield FluxLoraSession(clone, lora, config, empty_text)
+        finally:
+            diffusion_model.train(was_training)
+            lora.detach()

@@ -1,0 +1,233 @@
+"""Training through ComfyUI's MODEL: the shared MODEL is untouched, the saved LoRA is what was
+trained (read back by the stock LoraLoaderModelOnly), a file can seed a new run, and the
+LoRA learns a reference edit."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import itertools
+
+import pytest
+import torch
+
+from kt_testing.tiny_models import tiny_flux_patcher
+
+
+@pytest.fixture(scope="module")
+def ft(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+
+
+@pytest.fixture(scope="module")
+def core(pack):
+    name = f"{pack.__name__}.trainer_core"
+    return type(
+        "Core",
+        (),
+        {
+            "flow_step": importlib.import_module(f"{name}.flow_step"),
+            "loop": importlib.import_module(f"{name}.loop"),
+            "lora_file": importlib.import_module(f"{name}.lora_file"),
+        },
+    )
+
+
+def probe_inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x, ref = torch.randn(1, 16, 8, 8, generator=gen), torch.randn(1, 16, 8, 6, generator=gen)
+    cond = {
+        "c_crossattn": torch.randn(1, 5, 48, generator=gen),
+        "y": torch.randn(1, 32, generator=gen),
+        "guidance": torch.tensor([1.0]),
+        "ref_latents": [ref],
+    }
+    return x, cond
+
+
+def sampling_output(model, transformer_options=None):
+    """What a sampler gets from `model` for a fixed input: load it, then ComfyUI's
+    `apply_model` with the patcher's transformer options."""
+    import comfy.model_management
+
+    comfy.model_management.load_models_gpu([model])
+    x, cond = probe_inputs()
+    options = (
+        transformer_options if transformer_options is not None else model.model_options["transformer_options"]
+    )
+    with torch.no_grad():
+        return model.model.apply_model(x, torch.tensor([0.7]), transformer_options=options, **cond)
+
+
+def stock_lora_model(comfy_runtime, core, model, name, seed):
+    """`model` with a random LoRA applied by the stock LoraLoaderModelOnly."""
+    import folder_paths
+
+    flux = model.model.diffusion_model
+    gen = torch.Generator().manual_seed(seed)
+    modules = {}
+    for layer in ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"):
+        weight = flux.get_submodule(layer).weight
+        modules[layer] = core.lora_file.LoraModule(
+            torch.randn(2, weight.shape[1], generator=gen) * 0.2,
+            torch.randn(weight.shape[0], 2, generator=gen) * 0.2,
+            2.0,
+        )
+    path = f"{folder_paths.get_folder_paths('loras')[0]}/{name}"
+    core.lora_file.save_atomic(core.lora_file.to_state_dict(modules), path)
+    (patched,) = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)
+    return patched
+
+
+def samples_for(core, count, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [
+        core.flow_step.Sample(
+            torch.randn(16, 8, 8, generator=gen),
+            torch.randn(5, 48, generator=gen),
+            torch.randn(32, generator=gen),
+            [torch.randn(16, 8, 6, generator=gen)],
+        )
+        for _ in range(count)
+    ]
+
+
+def train_steps(core, session, config, samples):
+    batches = itertools.cycle([samples[i : i + 2] for i in range(0, len(samples), 2)])
+    return core.loop.train(config, session.lora.parameters(), batches, session.loss)
+
+
+def module_snapshot(model):
+    flux = model.model.diffusion_model
+    return {
+        "types": [(name, type(m)) for name, m in flux.named_modules()],
+        "grad": {n: p.requires_grad for n, p in flux.named_parameters()},
+        "attributes": set(vars(flux)),
+        "options": repr(model.model_options),
+        "wrappers": repr(model.wrappers),
+        "patches": sorted(model.patches),
+    }
+
+
+@pytest.mark.parametrize("with_stock_lora", [False, True], ids=["bare", "stock-lora"])
+def test_shared_model_is_bit_identical_after_training(ft, core, comfy_runtime, with_stock_lora):
+    def build(name):
+        model = tiny_flux_patcher(seed=12)
+        if with_stock_lora:
+            model = stock_lora_model(comfy_runtime, core, model, name, seed=1)
+        return model
+
+    # An identical, separately built MODEL gives the expected outputs and (loaded) weights,
+    # so the shared one enters training never loaded, as at the start of a workflow.
+    reference = build("kt_shared_reference.safetensors")
+    before = sampling_output(reference)
+    loaded_state = {k: v.clone() for k, v in reference.model.diffusion_model.state_dict().items()}
+    # (loading replaces patched weights by new parameters; their flags are ComfyUI's business)
+    loaded_grad = {n: p.requires_grad for n, p in reference.model.diffusion_model.named_parameters()}
+    shared = build("kt_shared_base.safetensors")
+    snapshot = module_snapshot(shared)
+
+    config = ft.TrainConfig(
+        steps=3, rank=4, alpha=4.0, learning_rate=1e-2, layout="dreamomni2", targets="all_linear"
+    )
+    with ft.flux_lora_session(shared, config) as session:
+        # Training starts from exactly the model the user loaded (incl. a stock LoRA's weights):
+        # at initialisation (lora_B = 0) the sampling-time output is identical.
+        assert torch.equal(sampling_output(session.patcher, session.transformer_options()), before)
+        result = train_steps(core, session, config, samples_for(core, 2, seed=2))
+        assert result.steps == 3
+        assert any(float(p.detach().abs().max()) > 0 for p in session.lora.parameters()[1::2])  # B moved
+
+    after = module_snapshot(shared)
+    for key in ("types", "attributes", "options", "wrappers", "patches"):
+        assert after[key] == snapshot[key], key  # no LoRA layer, attribute, patch or wrapper left
+    assert after["grad"] == loaded_grad
+    assert torch.equal(sampling_output(shared), before)
+    for key, tensor in shared.model.diffusion_model.state_dict().items():
+        assert torch.equal(tensor, loaded_state[key]), key
+
+
+def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, core, comfy_runtime):
+    import folder_paths
+
+    config = ft.TrainConfig(steps=4, rank=4, alpha=2.0, learning_rate=2e-2, targets="attention_mlp")
+    name = "kt_trained.safetensors"
+    path = f"{folder_paths.get_folder_paths('loras')[0]}/{name}"
+    model = tiny_flux_patcher(seed=13)
+    with ft.flux_lora_session(model, config) as session:
+        train_steps(core, session, config, samples_for(core, 4, seed=3))
+        in_training = sampling_output(session.patcher, session.transformer_options())
+        session.save(path, steps=4, resolution=64, base_model="flux1-kontext", dataset_hash="cafe")
+    untrained = sampling_output(model)
+
+    loaded = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(
+        tiny_flux_patcher(seed=13), name, 1.0
+    )[0]
+    from_file = sampling_output(loaded)
+    assert (from_file - in_training).abs().max() <= 1e-5
+    assert (in_training - untrained).abs().max() > 1e-3  # the LoRA did change the model
+
+    _, metadata = core.lora_file.load(path)
+    assert metadata["ss_network_dim"] == "4" and metadata["ss_steps"] == "4"
+    assert metadata["kontext_trainer.targets"] == "attention_mlp"
+    assert metadata["kontext_trainer.dataset_hash"] == "cafe"
+
+    # The same file seeds a new run: same weights, same outputs as the stock-loaded model.
+    initial = ft.initial_lora_from_file(path, model)
+    resumed_config = dataclasses.replace(config, rank=8, targets="attention")  # the file wins
+    with ft.flux_lora_session(model, resumed_config, initial=initial) as session:
+        exported = session.lora.modules()
+        assert set(exported) == set(initial)
+        for layer, module in initial.items():
+            assert torch.equal(exported[layer].down, module.down) and exported[layer].rank == 4
+        assert (
+            sampling_output(session.patcher, session.transformer_options()) - from_file
+        ).abs().max() <= 1e-5
+
+
+def test_initial_lora_file_without_flux_keys_is_refused(ft, core, tmp_path):
+    path = tmp_path / "text_encoder_only.safetensors"
+    core.lora_file.save_atomic({"lora_te_text_model.lora_down.weight": torch.zeros(2, 4)}, path)
+    with pytest.raises(ValueError, match=r"text_encoder_only\.safetensors: no Flux transformer LoRA"):
+        ft.initial_lora_from_file(path, tiny_flux_patcher(seed=0))
+
+
+def test_held_out_loss_halves_and_the_reference_is_used(ft, core):
+    """A synthetic edit set: flat-ish colour latents and, as targets, a fixed recolouring of
+    them (channels rotated and negated). After a fixed budget the held-out loss must have
+    fallen by at least half, and be clearly lower with each sample's own reference than with
+    another sample's: the LoRA learned the edit from the reference, not just a bias."""
+    gen = torch.Generator().manual_seed(0)
+    context, pooled = torch.randn(5, 48, generator=gen), torch.randn(32, generator=gen)
+    samples = []
+    for _ in range(32):
+        control = torch.randn(16, 1, 1, generator=gen) + 0.3 * torch.randn(16, 8, 8, generator=gen)
+        samples.append(core.flow_step.Sample(-control.roll(3, 0), context, pooled, [control]))
+    training, held_out = samples[:24], samples[24:]
+    mismatched = [
+        dataclasses.replace(s, references=held_out[(i + 1) % 8].references) for i, s in enumerate(held_out)
+    ]
+    config = ft.TrainConfig(
+        steps=300,
+        learning_rate=1e-2,
+        rank=16,
+        alpha=16.0,
+        targets="all_linear",
+        timestep_sampler="shift",
+        gradient_checkpointing=False,
+    )
+
+    def evaluate(session, data):
+        with torch.no_grad():
+            return sum(
+                float(session.loss([s], torch.Generator().manual_seed(100 + k)))
+                for k in range(8)
+                for s in data
+            ) / (8 * len(data))
+
+    with ft.flux_lora_session(tiny_flux_patcher(seed=1), config) as session:
+        before = evaluate(session, held_out)
+        train_steps(core, session, config, training)
+        after, after_mismatched = evaluate(session, held_out), evaluate(session, mismatched)
+    assert after <= 0.5 * before, (before, after)
+    assert after < 0.8 * after_mismatched, (after, after_mismatched)

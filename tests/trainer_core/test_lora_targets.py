@@ -1,0 +1,77 @@
+"""Target presets pick exactly the Flux block layers they are documented to pick."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_core.lora_targets import target_module_names
+
+# The Linear layers of a Flux with one double and one single block, listed by hand from
+# comfy/ldm/flux/layers.py and model.py.
+FLUX_LINEARS = [
+    "img_in",
+    "time_in.in_layer",
+    "time_in.out_layer",
+    "vector_in.in_layer",
+    "txt_in",
+    "double_blocks.0.img_mod.lin",
+    "double_blocks.0.img_attn.qkv",
+    "double_blocks.0.img_attn.proj",
+    "double_blocks.0.img_mlp.0",
+    "double_blocks.0.img_mlp.2",
+    "double_blocks.0.txt_mod.lin",
+    "double_blocks.0.txt_attn.qkv",
+    "double_blocks.0.txt_attn.proj",
+    "double_blocks.0.txt_mlp.0",
+    "double_blocks.0.txt_mlp.2",
+    "single_blocks.0.linear1",
+    "single_blocks.0.linear2",
+    "single_blocks.0.modulation.lin",
+    "final_layer.linear",
+    "final_layer.adaLN_modulation.1",
+]
+
+ATTENTION = [
+    "double_blocks.0.img_attn.qkv",
+    "double_blocks.0.img_attn.proj",
+    "double_blocks.0.txt_attn.qkv",
+    "double_blocks.0.txt_attn.proj",
+    "single_blocks.0.linear1",
+    "single_blocks.0.linear2",
+]
+MLP = [
+    "double_blocks.0.img_mlp.0",
+    "double_blocks.0.img_mlp.2",
+    "double_blocks.0.txt_mlp.0",
+    "double_blocks.0.txt_mlp.2",
+]
+MODULATION = ["double_blocks.0.img_mod.lin", "double_blocks.0.txt_mod.lin", "single_blocks.0.modulation.lin"]
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [
+        ("attention", ATTENTION),
+        ("attention_mlp", ATTENTION + MLP),
+        ("all_linear", ATTENTION + MLP + MODULATION),
+    ],
+)
+def test_presets(preset, expected):
+    got = target_module_names(FLUX_LINEARS, preset)
+    assert sorted(got) == sorted(expected)
+    assert got == [n for n in FLUX_LINEARS if n in expected]  # model order kept
+
+
+def test_no_preset_touches_embeddings_or_final_layer():
+    chosen = set(target_module_names(FLUX_LINEARS, "all_linear"))
+    assert not chosen & {n for n in FLUX_LINEARS if "blocks" not in n}
+
+
+def test_block_numbers_beyond_nine():
+    names = ["double_blocks.18.img_attn.qkv", "single_blocks.37.linear2", "single_blocks.37.norm"]
+    assert target_module_names(names, "attention") == names[:2]
+
+
+def test_unknown_preset_is_named():
+    with pytest.raises(ValueError, match=r"'mlp_only'.*attention, attention_mlp, all_linear"):
+        target_module_names(FLUX_LINEARS, "mlp_only")

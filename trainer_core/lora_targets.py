@@ -1,0 +1,43 @@
+"""Which Linear layers of a Flux transformer get a LoRA: the target presets.
+
+Flux double blocks have separate attention (`img_attn.qkv/proj`, `txt_attn.qkv/proj`), MLP
+(`img_mlp.0/2`, `txt_mlp.0/2`) and modulation (`img_mod.lin`, `txt_mod.lin`) layers. Single
+blocks fuse attention and MLP: `linear1` computes qkv and the MLP input together, `linear2`
+the attention projection and the MLP output together. Their attention cannot be adapted
+without their MLP, so every preset includes both fused layers.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+_ATTENTION = ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj")
+_MLP = ("img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2")
+_MODULATION = ("img_mod.lin", "txt_mod.lin")
+_SINGLE_FUSED = ("linear1", "linear2")
+_SINGLE_MODULATION = ("modulation.lin",)
+
+# preset -> (double-block layers, single-block layers)
+TARGET_PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    "attention": (_ATTENTION, _SINGLE_FUSED),
+    "attention_mlp": (_ATTENTION + _MLP, _SINGLE_FUSED),
+    "all_linear": (_ATTENTION + _MLP + _MODULATION, _SINGLE_FUSED + _SINGLE_MODULATION),
+}
+
+
+def check_preset(preset: str) -> str:
+    if preset not in TARGET_PRESETS:
+        raise ValueError(f"unknown LoRA target preset {preset!r}; choose one of {', '.join(TARGET_PRESETS)}")
+    return preset
+
+
+def target_module_names(linear_names: Iterable[str], preset: str) -> list[str]:
+    """The names among `linear_names` (the model's Linear modules) that `preset` adapts, in
+    the model's order."""
+    double, single = TARGET_PRESETS[check_preset(preset)]
+    pattern = re.compile(
+        rf"double_blocks\.\d+\.({'|'.join(map(re.escape, double))})"
+        rf"|single_blocks\.\d+\.({'|'.join(map(re.escape, single))})"
+    )
+    return [name for name in linear_names if pattern.fullmatch(name)]
