@@ -26,6 +26,10 @@ from .token_batch import TokenBatch, build_token_batch
 
 @dataclass
 class Sample:
+    """One training example. Latents are in the diffusion model's space, i.e. VAE latents
+    after ComfyUI's `model.process_latent_in` (Flux: (z - shift) * scale), as sampling sees
+    them."""
+
     target: torch.Tensor  # (C, H, W) clean target latent
     context: torch.Tensor  # (T, D) text embedding of the caption
     pooled: torch.Tensor  # (D,) pooled text embedding
