@@ -5,12 +5,13 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .extension_ids import NODE_ID_PREFIX  # noqa: F401  (re-exported for tests and tools)
+from .load_kontext_dataset import LoadKontextDataset
 from .multi_image_conditioning import MultiImageConditioning
 
 
 def node_classes() -> list[type[io.ComfyNode]]:
     """The pack's nodes, in menu order. Grows as nodes land (see README, "Nodes")."""
-    return [MultiImageConditioning]
+    return [LoadKontextDataset, MultiImageConditioning]
 
 
 class KontextTrainerExtension(ComfyExtension):

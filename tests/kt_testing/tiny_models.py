@@ -6,6 +6,8 @@ memory `torch.empty` returned; `seeded_init_` gives every parameter a reproducib
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 
 # Hidden 64 with 2 heads: head dim 32 = sum(axes_dim). Text 48 / pooled 32 keep it tiny.
@@ -90,3 +92,43 @@ def small_flux_vae(seed: int = 0):
     vae = comfy.sd.VAE(sd=state, config={"params": encoder_decoder})
     vae.latent_channels = 16
     return vae
+
+
+# A CLIP-L-shaped text encoder, narrow: its context (48) and pooled output (32) match the tiny
+# Flux's context_in_dim and vec_in_dim, so conditioning from it drives the tiny Flux.
+TINY_CLIP_CONFIG = {
+    "architectures": ["CLIPTextModel"],
+    "hidden_act": "quick_gelu",
+    "hidden_size": 48,
+    "intermediate_size": 96,
+    "layer_norm_eps": 1e-05,
+    "max_position_embeddings": 77,
+    "num_attention_heads": 2,
+    "num_hidden_layers": 1,
+    "projection_dim": 32,
+    "vocab_size": 49408,
+    "eos_token_id": 49407,
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+}
+
+
+def tiny_clip(seed: int = 0):
+    """A real ComfyUI CLIP object (CLIP-L tokenizer, `SD1ClipModel`) with a one-layer narrow
+    text model and seeded weights."""
+    import functools
+
+    import comfy.sd
+    import comfy.sd1_clip
+
+    class Target:
+        params: ClassVar[dict] = {}
+        clip = functools.partial(
+            comfy.sd1_clip.SD1ClipModel,
+            clip_model=functools.partial(comfy.sd1_clip.SDClipModel, textmodel_json_config=TINY_CLIP_CONFIG),
+        )
+        tokenizer = comfy.sd1_clip.SD1Tokenizer
+
+    clip = comfy.sd.CLIP(target=Target, model_options={"dtype": torch.float32})
+    seeded_init_(clip.cond_stage_model, seed)
+    return clip

@@ -1,0 +1,209 @@
+"""LoadKontextDataset: a folder of targets, references and captions -> a cached dataset.
+
+The node validates the whole folder first (every problem in one message, nothing written
+on failure), then encodes what the cache does not already hold with the user's VAE and
+CLIP, showing progress, and outputs a KONTEXT_DATASET for TrainLoRA and PreviewSampler.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from pathlib import Path
+
+from comfy_api.latest import io
+
+from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
+from ..trainer_core.dataset_files import scan_dataset
+from ..trainer_core.encode_cache import EncodeCache
+from ..trainer_core.sizing import MAX_SIDE
+from .comfy_encoders import comfy_encoders
+from .extension_ids import node_id
+
+Dataset = io.Custom("KONTEXT_DATASET")
+USE_PATH = "(absolute path below)"
+CACHE_FOLDER_NAME = "kontext_trainer_cache"
+BACKGROUNDS = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0), "gray": (0.5, 0.5, 0.5)}
+LOGGER = logging.getLogger("kontext_trainer")
+
+
+def resolve_dataset_folder(folder: str, path: str, input_dir: Path) -> Path:
+    """The dataset folder: `path` if given (absolute), else `folder` under the input directory."""
+    if path.strip():
+        chosen = Path(path.strip()).expanduser()
+        if not chosen.is_absolute():
+            raise ValueError(
+                f"path: '{path}' is not absolute; give a full path such as /data/my_set, "
+                "or leave it empty and pick a folder of ComfyUI's input directory"
+            )
+        return chosen
+    if folder in ("", USE_PATH):
+        raise ValueError("folder: pick a folder of ComfyUI's input directory, or give an absolute path")
+    input_dir = input_dir.resolve()
+    chosen = (input_dir / folder).resolve()
+    if chosen != input_dir and input_dir not in chosen.parents:
+        raise ValueError(f"folder: '{folder}' points outside ComfyUI's input directory")
+    return chosen
+
+
+def resolve_cache_folder(cache_folder: str, output_dir: Path) -> Path:
+    if not cache_folder.strip():
+        return Path(output_dir) / CACHE_FOLDER_NAME
+    chosen = Path(cache_folder.strip()).expanduser()
+    if not chosen.is_absolute():
+        raise ValueError(
+            f"cache_folder: '{cache_folder}' is not absolute; give a full path or leave it empty"
+        )
+    return chosen
+
+
+def folder_fingerprint(root: Path) -> str:
+    """Names, sizes and modification times of the files under `root` (two levels): changes
+    when the dataset changes, so ComfyUI re-runs the node."""
+    digest = hashlib.sha256(str(root).encode())
+    if root.is_dir():
+        for directory, subdirs, files in os.walk(root):
+            depth = Path(directory).relative_to(root).parts
+            if len(depth) >= 1:
+                subdirs[:] = []
+            for name in sorted(files):
+                stat = (Path(directory) / name).stat()
+                digest.update(f"{directory}/{name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()
+
+
+def summary(dataset: KontextDataset) -> str:
+    buckets = ", ".join(f"{w}x{h}: {len(idx)}" for (w, h), idx in dataset.buckets().items())
+    lines = [
+        f"{len(dataset.entries)} training + {len(dataset.held_out)} held-out samples "
+        f"({dataset.layout.replace('_', ' ')}), {dataset.reference_count} reference(s) each",
+        f"buckets {buckets}",
+        f"encoded {dataset.encoded_images} image(s) and {dataset.encoded_texts} caption(s); "
+        f"{dataset.cache.hits} cache hit(s); cache {dataset.cache.root}",
+        *dataset.notices,
+    ]
+    return "\n".join(lines)
+
+
+class LoadKontextDataset(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        import folder_paths
+
+        return io.Schema(
+            node_id=node_id("LoadKontextDataset"),
+            display_name="LoadKontextDataset",
+            category="Kontext Trainer",
+            description="Loads targets, reference images and captions from a folder (two layouts, see "
+            "the README), validates them, and caches VAE latents and text embeddings.",
+            inputs=[
+                io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
+                io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),
+                io.Combo.Input(
+                    "folder",
+                    options=[USE_PATH, *folder_paths.get_input_subfolders()],
+                    default=USE_PATH,
+                    tooltip="A folder of ComfyUI's input directory holding the dataset.",
+                ),
+                io.String.Input(
+                    "path", default="", tooltip="Or an absolute path to the dataset folder (wins if set)."
+                ),
+                io.Int.Input(
+                    "resolution",
+                    default=1024,
+                    min=256,
+                    max=2048,
+                    step=64,
+                    tooltip="Targets are scaled to about this many pixels squared, aspect kept, sides "
+                    "multiples of 16; each distinct size is a bucket and batches never mix buckets.",
+                ),
+                io.Int.Input(
+                    "reference_resolution",
+                    default=1024,
+                    min=0,
+                    max=MAX_SIDE,
+                    step=16,
+                    tooltip="References are sized exactly as MultiImageConditioning sizes them at "
+                    "inference (same rule, same number); 0 keeps their size, cropped to multiples of 16.",
+                ),
+                io.Int.Input(
+                    "min_size",
+                    default=256,
+                    min=0,
+                    max=MAX_SIDE,
+                    tooltip="Images whose shorter side is below this many pixels are reported as problems.",
+                ),
+                io.Combo.Input(
+                    "background",
+                    options=list(BACKGROUNDS),
+                    default="white",
+                    tooltip="Transparent pixels are composited onto this colour.",
+                ),
+                io.Int.Input(
+                    "hold_out",
+                    default=0,
+                    min=0,
+                    max=10000,
+                    tooltip="Samples kept out of training for validation.",
+                ),
+                io.Int.Input(
+                    "seed", default=0, min=0, max=2**31 - 1, tooltip="Chooses the held-out samples."
+                ),
+                io.String.Input(
+                    "cache_folder",
+                    default="",
+                    tooltip=f"Where latents and embeddings are cached; empty = output/{CACHE_FOLDER_NAME}.",
+                ),
+            ],
+            outputs=[
+                Dataset.Output(display_name="dataset"),
+                io.String.Output(display_name="report", tooltip="Samples, buckets, cache use and notices."),
+            ],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, folder, path, **kwargs):
+        import folder_paths
+
+        try:
+            root = resolve_dataset_folder(folder, path, Path(folder_paths.get_input_directory()))
+        except ValueError:
+            return ""
+        return folder_fingerprint(root)
+
+    @classmethod
+    def execute(
+        cls,
+        vae,
+        clip,
+        folder,
+        path,
+        resolution,
+        reference_resolution,
+        min_size,
+        background,
+        hold_out,
+        seed,
+        cache_folder,
+    ) -> io.NodeOutput:
+        import comfy.utils
+        import folder_paths
+
+        root = resolve_dataset_folder(folder, path, Path(folder_paths.get_input_directory()))
+        cache_root = resolve_cache_folder(cache_folder, Path(folder_paths.get_output_directory()))
+        if background not in BACKGROUNDS:
+            raise ValueError(f"background: choose one of {', '.join(BACKGROUNDS)}")
+        scan = scan_dataset(root, min_size=min_size)  # raises with every problem; nothing written
+        settings = DatasetSettings(resolution, reference_resolution, BACKGROUNDS[background], hold_out, seed)
+        bar = comfy.utils.ProgressBar(1)
+        dataset = build_dataset(
+            scan,
+            comfy_encoders(vae, clip),
+            EncodeCache(cache_root),
+            settings,
+            progress=lambda done, total: bar.update_absolute(done, total),
+        )
+        report = summary(dataset)
+        LOGGER.info("LoadKontextDataset %s:\n%s", root, report)
+        return io.NodeOutput(dataset, report)

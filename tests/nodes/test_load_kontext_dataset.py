@@ -1,0 +1,159 @@
+"""LoadKontextDataset in the real runtime with a real (small) Flux VAE and a real ComfyUI CLIP
+object: both layouts, named problems with nothing written, the cache across passes, encoder
+identities, and a training step on what it loads."""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from kt_testing.datasets import color_image, write_one_folder, write_parallel
+from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
+
+
+class Counting:
+    """Counts calls of one bound method of a test-owned encoder object."""
+
+    def __init__(self, owner, name):
+        self.calls, self.inner = 0, getattr(owner, name)
+        setattr(owner, name, self)
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner(*args, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def node(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.load_kontext_dataset")
+
+
+@pytest.fixture(scope="module")
+def encoders():
+    return {"vae": small_flux_vae(seed=1), "clip": tiny_clip(seed=2)}
+
+
+@pytest.fixture
+def input_dir(comfy_runtime):
+    import folder_paths
+
+    return Path(folder_paths.get_input_directory())
+
+
+def run(node, encoders, folder="", path="", cache="", **overrides):
+    kwargs = {
+        "folder": folder or node.USE_PATH,
+        "path": str(path),
+        "resolution": 256,
+        "reference_resolution": 128,
+        "min_size": 32,
+        "background": "white",
+        "hold_out": 0,
+        "seed": 0,
+        "cache_folder": str(cache),
+    }
+    kwargs.update(overrides)
+    return node.LoadKontextDataset.execute(encoders["vae"], encoders["clip"], **kwargs).args
+
+
+def test_one_folder_in_the_input_directory(node, encoders, input_dir, tmp_path):
+    write_one_folder(input_dir / "kt_one", ["cat", "dog"], references=2, size=(96, 64))
+    dataset, report = run(node, encoders, folder="kt_one", cache=tmp_path / "cache")
+    assert [e.name for e in dataset.entries] == ["cat", "dog"]
+    entry = dataset.entries[0]
+    # 96x64 at 256: scale = 256 / sqrt(96 * 64) = 3.266; 313.5 -> 320, 209.0 -> 208
+    assert entry.target_size == (320, 208)
+    sample = dataset.sample(entry)
+    assert sample.target.shape == (16, 208 // 8, 320 // 8)
+    assert sample.context.shape == (77, 48) and sample.pooled.shape == (48,)
+    assert len(sample.references) == 2
+    assert "2 training + 0 held-out samples (one folder), 2 reference(s) each" in report
+    assert "320x208: 2" in report
+
+
+def test_parallel_folders_by_absolute_path_and_hold_out(node, encoders, tmp_path):
+    root = write_parallel(tmp_path / "set", ["a", "b", "c"], references=1, size=(64, 64))
+    dataset, _ = run(node, encoders, path=root, cache=tmp_path / "cache", hold_out=1)
+    assert dataset.layout == "parallel_folders"
+    assert len(dataset.entries) == 2 and len(dataset.held_out) == 1
+
+
+def test_problems_are_reported_and_nothing_is_written(node, encoders, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1)
+    (root / "b_control.png").write_bytes(b"")
+    color_image(64, 48, seed=4).save(root / "orphan_control.png")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError) as caught:
+        run(node, encoders, path=root, cache=cache)
+    assert "b_control.png: the file is empty" in str(caught.value)
+    assert "orphan_control.png: a reference without a target" in str(caught.value)
+    assert not cache.exists()
+
+
+def test_second_pass_never_runs_the_encoders(node, tmp_path):
+    vae, clip = small_flux_vae(seed=1), tiny_clip(seed=2)
+    vae_calls, clip_calls = Counting(vae, "encode"), Counting(clip, "encode_from_tokens_scheduled")
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
+    first, _ = run(node, {"vae": vae, "clip": clip}, path=root, cache=tmp_path / "cache")
+    assert (vae_calls.calls, clip_calls.calls) == (4, 3)  # 2 targets + 2 refs; 2 captions + empty
+    second, report = run(node, {"vae": vae, "clip": clip}, path=root, cache=tmp_path / "cache")
+    assert (vae_calls.calls, clip_calls.calls) == (4, 3)
+    assert "encoded 0 image(s) and 0 caption(s); 7 cache hit(s)" in report
+    assert torch.equal(first.sample(first.entries[1]).target, second.sample(second.entries[1]).target)
+
+
+def test_encoder_identities_follow_the_weights(pack):
+    identity = importlib.import_module(f"{pack.__name__}.nodes.comfy_encoders")
+    assert identity.vae_identity(small_flux_vae(seed=1)) == identity.vae_identity(small_flux_vae(seed=1))
+    assert identity.vae_identity(small_flux_vae(seed=1)) != identity.vae_identity(small_flux_vae(seed=3))
+    plain, patched = tiny_clip(seed=2), tiny_clip(seed=2)
+    assert identity.clip_identity(plain) == identity.clip_identity(patched)
+    key = next(k for k in patched.patcher.model_state_dict() if k.endswith("fc1.weight"))
+    weight = patched.patcher.model_state_dict()[key]
+    patched.add_patches({key: (torch.ones_like(weight),)}, 0.5)
+    assert identity.clip_identity(plain) != identity.clip_identity(patched)
+
+
+def test_paths_are_checked(node, input_dir):
+    with pytest.raises(ValueError, match="path: 'relative/set' is not absolute"):
+        node.resolve_dataset_folder(node.USE_PATH, "relative/set", input_dir)
+    with pytest.raises(ValueError, match="outside ComfyUI's input directory"):
+        node.resolve_dataset_folder("../../etc", "", input_dir)
+    with pytest.raises(ValueError, match="folder: pick a folder"):
+        node.resolve_dataset_folder(node.USE_PATH, "", input_dir)
+    with pytest.raises(ValueError, match="cache_folder: 'cache' is not absolute"):
+        node.resolve_cache_folder("cache", input_dir)
+    assert node.resolve_cache_folder("", Path("/out")) == Path("/out") / node.CACHE_FOLDER_NAME
+
+
+def test_fingerprint_changes_when_the_folder_changes(node, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    before = node.folder_fingerprint(root)
+    assert node.folder_fingerprint(root) == before
+    (root / "a.txt").write_text("something else entirely", encoding="utf-8")
+    assert node.folder_fingerprint(root) != before
+    shutil.rmtree(root)
+    assert node.folder_fingerprint(root) != before
+
+
+def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
+    ft = importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
+    dataset, _ = run(
+        node, encoders, path=root, cache=tmp_path / "cache", resolution=256, reference_resolution=64
+    )
+    model = tiny_flux_patcher(seed=3)
+    samples = [dataset.sample(e, latent_in=model.model.process_latent_in) for e in dataset.entries]
+    config = ft.TrainConfig(steps=2, rank=2, alpha=2.0, caption_dropout=0.5, learning_rate=1e-3)
+    with (
+        torch.inference_mode(False),
+        ft.flux_lora_session(model, config, empty_text=dataset.empty_text()) as session,
+    ):
+        result = loop.train(config, session.lora.parameters(), itertools.cycle([samples]), session.loss)
+    assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))

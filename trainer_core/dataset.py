@@ -1,0 +1,202 @@
+"""Building a dataset: validated files -> sized images -> cached latents and text embeddings.
+
+`build_dataset` runs every encoder call a dataset will ever need, once, up front (with a
+progress callback); entries found in the cache are not decoded or encoded again. The
+resulting `KontextDataset` only reads the cache: training never runs the VAE or the text
+encoder. Position ids and reference offsets are not stored; they are rebuilt from the
+latent shapes whenever a batch is packed (seed 001).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from .buckets import assign_buckets
+from .dataset_files import DatasetScan, read_caption
+from .encode_cache import IMAGE_RULE_VERSION, EncodeCache, cache_key, file_digest
+from .flow_step import EmptyText, Sample
+from .image_files import WHITE, read_image, upright_size
+from .sizing import check_side_cap, fit_to_area, resize_exact
+
+
+@dataclass
+class Encoders:
+    """The user's encoders, as plain callables (the node adapts ComfyUI's VAE and CLIP)."""
+
+    encode_image: Callable[[np.ndarray], torch.Tensor]  # (H, W, 3) float in [0, 1] -> (C, h, w)
+    encode_text: Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # caption -> (T, D), (D,)
+    image_identity: str  # changes when the VAE's weights change
+    text_identity: str  # changes when the text encoder's weights change
+
+
+@dataclass(frozen=True)
+class DatasetSettings:
+    resolution: int = 1024  # targets: area about resolution^2 (aspect buckets)
+    reference_resolution: int = 1024  # references: MultiImageConditioning's rule; 0 keeps size
+    background: tuple[float, float, float] = WHITE  # under transparent pixels
+    hold_out: int = 0  # samples kept out of training for validation
+    seed: int = 0  # which samples are held out
+
+
+@dataclass
+class DatasetEntry:
+    name: str
+    caption: str
+    target_key: str
+    target_size: tuple[int, int]  # (width, height) in pixels after the size rule
+    reference_keys: list[str]
+    reference_sizes: list[tuple[int, int]]
+    text_key: str
+
+
+@dataclass
+class KontextDataset:
+    cache: EncodeCache
+    settings: DatasetSettings
+    entries: list[DatasetEntry]  # training samples
+    held_out: list[DatasetEntry]  # validation samples
+    empty_text_key: str
+    layout: str  # folder layout found ("one_folder" / "parallel_folders")
+    notices: list[str] = field(default_factory=list)
+    encoded_images: int = 0  # encoder calls made while building (0 on a fully cached pass)
+    encoded_texts: int = 0
+
+    @property
+    def reference_count(self) -> int:
+        return len(self.entries[0].reference_keys) if self.entries else 0
+
+    @property
+    def content_hash(self) -> str:
+        """Identifies files, captions, size rule and encoders (for the LoRA's metadata)."""
+        return cache_key(
+            [(e.name, e.target_key, e.reference_keys, e.text_key) for e in self.entries + self.held_out]
+        )[:16]
+
+    def buckets(self) -> dict[tuple[int, int], list[int]]:
+        """Training entries grouped by target size (their aspect bucket)."""
+        return assign_buckets([e.target_size for e in self.entries], resolution=0)
+
+    def sample(
+        self, entry: DatasetEntry, latent_in: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+    ) -> Sample:
+        """One training sample from the cache; `latent_in` maps VAE latents into the
+        diffusion model's space (ComfyUI's `process_latent_in`)."""
+        text = self.cache.load("text", entry.text_key)
+        return Sample(
+            latent_in(self.cache.load("latents", entry.target_key)["latent"]),
+            text["context"],
+            text["pooled"],
+            [latent_in(self.cache.load("latents", key)["latent"]) for key in entry.reference_keys],
+        )
+
+    def empty_text(self) -> EmptyText:
+        text = self.cache.load("text", self.empty_text_key)
+        return EmptyText(text["context"], text["pooled"])
+
+
+def _image_key(path, size, settings, encoders) -> str:
+    return cache_key(
+        IMAGE_RULE_VERSION, file_digest(path), size, settings.background, encoders.image_identity
+    )
+
+
+def _planned_size(path, resolution: int) -> tuple[int, int]:
+    width, height = upright_size(path)
+    check_side_cap(width, height, str(path))
+    return fit_to_area(width, height, resolution)
+
+
+def build_dataset(
+    scan: DatasetScan,
+    encoders: Encoders,
+    cache: EncodeCache,
+    settings: DatasetSettings,
+    progress: Callable[[int, int], None] | None = None,
+) -> KontextDataset:
+    if not 0 <= settings.hold_out < len(scan.samples):
+        raise ValueError(
+            f"hold_out is {settings.hold_out} but the dataset has {len(scan.samples)} sample(s); "
+            "at least one must remain for training"
+        )
+    captions = [read_caption(s.caption) for s in scan.samples]
+    total = sum(1 + len(s.references) for s in scan.samples) + len(set(captions)) + 1
+    done = 0
+    encoded = {"images": 0, "texts": 0}
+
+    def tick():
+        nonlocal done
+        done += 1
+        if progress is not None:
+            progress(done, total)
+
+    def image(path, resolution) -> tuple[str, tuple[int, int]]:
+        size = _planned_size(path, resolution)
+        key = _image_key(path, size, settings, encoders)
+        if not cache.has("latents", key):
+            pixels = resize_exact(read_image(path, settings.background).pixels, *size)
+            latent = encoders.encode_image(pixels)
+            cache.put("latents", key, {"latent": latent})
+            encoded["images"] += 1
+        tick()
+        return key, size
+
+    def text(caption: str) -> str:
+        key = cache_key("text", caption, encoders.text_identity)
+        if not cache.has("text", key):
+            context, pooled = encoders.encode_text(caption)
+            cache.put("text", key, {"context": context, "pooled": pooled})
+            encoded["texts"] += 1
+        tick()
+        return key
+
+    text_keys = {caption: text(caption) for caption in dict.fromkeys(captions)}
+    empty_key = text("")
+    entries = []
+    for files, caption in zip(scan.samples, captions, strict=True):
+        target_key, target_size = image(files.target, settings.resolution)
+        refs = [image(path, settings.reference_resolution) for path in files.references]
+        entries.append(
+            DatasetEntry(
+                files.name,
+                caption,
+                target_key,
+                target_size,
+                [key for key, _ in refs],
+                [size for _, size in refs],
+                text_keys[caption],
+            )
+        )
+    held = set(
+        torch.randperm(len(entries), generator=torch.Generator().manual_seed(settings.seed))[
+            : settings.hold_out
+        ].tolist()
+    )
+    return KontextDataset(
+        cache,
+        settings,
+        [e for i, e in enumerate(entries) if i not in held],
+        [e for i, e in enumerate(entries) if i in held],
+        empty_key,
+        scan.layout,
+        list(scan.notices),
+        encoded["images"],
+        encoded["texts"],
+    )
+
+
+def identity_of(named_tensors, extra: object = "") -> str:
+    """A cheap fingerprint of an encoder's weights: names, shapes, dtypes and a strided sample
+    of each tensor's values (hashing billions of T5 weights in full would take minutes)."""
+    digest = hashlib.sha256(repr(extra).encode())
+    for name, tensor in named_tensors:
+        flat = tensor.detach().reshape(-1)
+        step = max(1, flat.numel() // 64)
+        sample = flat[::step][:64].float().cpu().numpy().tobytes()
+        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
+        digest.update(sample)
+    return digest.hexdigest()[:32]
