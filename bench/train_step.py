@@ -80,12 +80,8 @@ def run_ours(runtime, model, args):
         learning_rate=1e-4,
     )
 
-    def batches():
-        while True:
-            yield [sample]
-
     with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
-        return loop.train(config, session.lora.parameters(), batches(), session.loss).losses
+        return loop.train(config, session.lora.parameters(), lambda i: [sample], session.loss).losses
 
 
 def run_native(runtime, model, args):

@@ -10,13 +10,21 @@ from .lora_file import kohya_metadata
 from .lora_targets import check_preset
 from .objective import WEIGHTINGS, SigmaSampler
 from .position_ids import check_layout
+from .schedule import SCHEDULES
+
+OPTIMIZERS = ("adamw", "adafactor")
 
 
 @dataclass
 class TrainConfig:
     steps: int = 1000  # optimizer steps to run
-    learning_rate: float = 1e-4  # AdamW learning rate
-    weight_decay: float = 0.01  # AdamW weight decay on the LoRA weights
+    learning_rate: float = 1e-4  # peak learning rate
+    schedule: str = "constant"  # after warmup: constant, cosine or linear decay to zero
+    warmup_steps: int = 0  # steps over which the learning rate rises linearly from ~0
+    optimizer: str = "adamw"  # adamw, or adafactor (less optimizer memory)
+    weight_decay: float = 0.01  # weight decay on the LoRA weights
+    batch_size: int = 1  # samples per micro-batch, all from one aspect bucket
+    gradient_accumulation: int = 1  # micro-batches per optimizer step
     max_grad_norm: float = 1.0  # clip the LoRA gradient norm to this; 0 disables clipping
     rank: int = 16  # LoRA rank: capacity of the adapter
     alpha: float = 16.0  # LoRA alpha: the update is scaled by alpha / rank
@@ -33,13 +41,23 @@ class TrainConfig:
     ip_noise_gamma: float = 0.0  # input-perturbation noise strength (0 = off)
     caption_dropout: float = 0.0  # probability of training a sample on the empty prompt
     gradient_checkpointing: bool = True  # recompute block activations in backward: less memory, ~30% slower
-    seed: int = 0  # seeds LoRA init, noise, timesteps, dropout: the same seed gives the same run
+    seed: int = 0  # seeds LoRA init, data order, noise, timesteps, dropout: the same seed gives the same run
+    save_every: int = 0  # write a resumable checkpoint every N steps (0: only when cancelled)
+    keep_last: int = 3  # checkpoints kept (older ones are deleted); 0 keeps all
 
     def __post_init__(self):
         if self.steps < 1:
             raise ValueError("steps must be at least 1")
         if self.rank < 1:
             raise ValueError("rank must be at least 1")
+        if self.batch_size < 1 or self.gradient_accumulation < 1:
+            raise ValueError("batch_size and gradient_accumulation must be at least 1")
+        if self.warmup_steps < 0 or self.save_every < 0 or self.keep_last < 0:
+            raise ValueError("warmup_steps, save_every and keep_last cannot be negative")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
         if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.caption_dropout <= 1.0:
             raise ValueError("dropout and caption_dropout are probabilities in [0, 1)")
         if self.loss_weighting not in WEIGHTINGS:

@@ -1,19 +1,35 @@
-"""The training loop: `train(config, parameters, batches, loss_fn, on_step) -> TrainResult`.
+"""The training loop: `train(config, parameters, batch_at, loss_fn, on_step) -> TrainResult`.
 
-Model-free: `loss_fn(batch, generator)` evaluates the objective (see `flow_step`), so the same
-loop trains ComfyUI's Flux in the node and anything small in tests. `on_step` receives a
-`StepInfo` after every optimizer step; returning False stops the run at that boundary.
+Model-free: `loss_fn(batch, generator)` evaluates the objective (see `flow_step`) and
+`batch_at(i)` returns micro-batch i, so the same loop trains ComfyUI's Flux in the node and
+anything small in tests. `on_step` receives a `StepInfo` after every optimizer step;
+returning False stops the run at that step boundary. Everything random comes from the one
+generator (plus torch's global RNG for dropout, which the caller owns), so a run resumed from
+a checkpoint continues with exactly the losses of an uninterrupted one.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from .buckets import epoch_batches
 from .config import TrainConfig
+from .schedule import lr_multiplier
+
+
+class NonFiniteLoss(RuntimeError):
+    def __init__(self, step: int, value: float):
+        self.step, self.value = step, value
+        super().__init__(
+            f"the loss became {value} at step {step}; training stopped before the update, so the last "
+            "checkpoint is intact. Lower the learning rate, raise max_grad_norm protection (e.g. 1.0) "
+            "or check the dataset for broken images."
+        )
 
 
 @dataclass(frozen=True)
@@ -26,17 +42,52 @@ class StepInfo:
 
 
 @dataclass
+class ResumeState:
+    """Where a checkpoint left off (see `checkpoint.load_checkpoint`)."""
+
+    step: int
+    losses: list[float]
+    optimizer_state: dict
+    generator_state: torch.Tensor
+
+
+@dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
     stopped_early: bool = False
+    optimizer: torch.optim.Optimizer | None = None
+    generator: torch.Generator | None = None
 
     @property
     def steps(self) -> int:
         return len(self.losses)
 
 
+class DataOrder:
+    """Micro-batch i of the run: epochs of `epoch_batches`, each epoch's order seeded by
+    (seed, epoch), so any index can be recomputed on resume without replaying the run."""
+
+    def __init__(self, buckets: dict[tuple[int, int], list[int]], batch_size: int, seed: int):
+        self.buckets, self.batch_size, self.seed = buckets, batch_size, seed
+        self.per_epoch = sum(math.ceil(len(v) / batch_size) for v in buckets.values())
+        if self.per_epoch == 0:
+            raise ValueError("the dataset has no training samples")
+        self._epoch, self._order = -1, []
+
+    def __call__(self, index: int) -> list[int]:
+        epoch, within = divmod(index, self.per_epoch)
+        if epoch != self._epoch:
+            generator = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._order = epoch, epoch_batches(self.buckets, self.batch_size, generator)
+        return self._order[within]
+
+
 def make_optimizer(config: TrainConfig, parameters: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # foreach=False: the per-tensor kernels give the same numbers on every run and platform.
+    # foreach=False: the per-tensor kernels give the same numbers on every run.
+    if config.optimizer == "adafactor":
+        return torch.optim.Adafactor(
+            parameters, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=False
+        )
     return torch.optim.AdamW(
         parameters, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=False
     )
@@ -45,31 +96,53 @@ def make_optimizer(config: TrainConfig, parameters: Sequence[torch.nn.Parameter]
 def train(
     config: TrainConfig,
     parameters: Sequence[torch.nn.Parameter],
-    batches: Iterator,
+    batch_at: Callable[[int], object],
     loss_fn: Callable[[object, torch.Generator], torch.Tensor],
     on_step: Callable[[StepInfo], bool | None] | None = None,
+    resume: ResumeState | None = None,
+    on_checkpoint: Callable[[int, TrainResult], None] | None = None,
 ) -> TrainResult:
     parameters = list(parameters)
-    optimizer = make_optimizer(config, parameters)
-    generator = torch.Generator().manual_seed(config.seed)
-    result = TrainResult()
-    for step in range(1, config.steps + 1):
+    result = TrainResult(optimizer=make_optimizer(config, parameters), generator=torch.Generator())
+    optimizer, generator = result.optimizer, result.generator
+    generator.manual_seed(config.seed)
+    start = 0
+    if resume is not None:
+        optimizer.load_state_dict(resume.optimizer_state)
+        generator.set_state(resume.generator_state)
+        start, result.losses = resume.step, list(resume.losses)
+    accumulation = config.gradient_accumulation
+    for step in range(start, config.steps):
         started = time.perf_counter()
-        # 1) objective on the next batch
-        loss = loss_fn(next(batches), generator)
-        # 2) gradients, clipped
-        loss.backward()
+        # 1) learning rate for this step
+        lr = config.learning_rate * lr_multiplier(step, config.steps, config.warmup_steps, config.schedule)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # 2) gradients of the mean loss over the accumulated micro-batches
+        total = 0.0
+        for micro in range(accumulation):
+            loss = loss_fn(batch_at(step * accumulation + micro), generator) / accumulation
+            loss.backward()
+            total += float(loss.detach())
+        if not math.isfinite(total):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(step + 1, total)
+        # 3) clip and update
         if config.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm, foreach=False)
-        # 3) update
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        value = float(loss.detach())
-        result.losses.append(value)
-        info = StepInfo(
-            step, config.steps, value, optimizer.param_groups[0]["lr"], time.perf_counter() - started
-        )
+        result.losses.append(total)
+        done = step + 1
+        if (
+            on_checkpoint is not None
+            and config.save_every
+            and done % config.save_every == 0
+            and done < config.steps
+        ):
+            on_checkpoint(done, result)
+        info = StepInfo(done, config.steps, total, lr, time.perf_counter() - started)
         if on_step is not None and on_step(info) is False:
-            result.stopped_early = step < config.steps
+            result.stopped_early = done < config.steps
             break
     return result

@@ -172,9 +172,9 @@ def test_same_seed_same_losses_and_another_seed_differs(ft, Sample, pack):
             seed=seed,
             learning_rate=1e-3,
         )
-        batches = iter([samples[:2], samples[2:]] * 2)
+        batches = [samples[:2], samples[2:]] * 2
         with ft.flux_lora_session(model, config, empty_text=empty) as session:
-            return loop.train(config, session.lora.parameters(), batches, session.loss).losses
+            return loop.train(config, session.lora.parameters(), batches.__getitem__, session.loss).losses
 
     first = run(0)
     assert first == run(0)

@@ -5,7 +5,6 @@ identities, and a training step on what it loads."""
 from __future__ import annotations
 
 import importlib
-import itertools
 import shutil
 from pathlib import Path
 
@@ -155,5 +154,5 @@ def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
         torch.inference_mode(False),
         ft.flux_lora_session(model, config, empty_text=dataset.empty_text()) as session,
     ):
-        result = loop.train(config, session.lora.parameters(), itertools.cycle([samples]), session.loss)
+        result = loop.train(config, session.lora.parameters(), lambda i: samples, session.loss)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))

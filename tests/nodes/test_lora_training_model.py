@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import itertools
 
 import pytest
 import torch
@@ -93,8 +92,10 @@ def samples_for(core, count, seed):
 
 
 def train_steps(core, session, config, samples):
-    batches = itertools.cycle([samples[i : i + 2] for i in range(0, len(samples), 2)])
-    return core.loop.train(config, session.lora.parameters(), batches, session.loss)
+    batches = [samples[i : i + 2] for i in range(0, len(samples), 2)]
+    return core.loop.train(
+        config, session.lora.parameters(), lambda i: batches[i % len(batches)], session.loss
+    )
 
 
 def module_snapshot(model):

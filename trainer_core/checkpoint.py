@@ -1,0 +1,142 @@
+"""Training checkpoints: everything an exact resume needs, as safetensors and json only.
+
+A checkpoint is a folder `step_000120/` holding
+  lora.safetensors       the LoRA at that step (stock-loader keys: loadable on its own)
+  optimizer.safetensors  the optimizer's tensor state, flattened to `state.<param>.<name>`
+  rng.safetensors        torch's global RNG (CPU, and CUDA if present) and the objective's generator
+  state.json             step, losses, the config, optimizer param groups and scalar state
+It is written into a temporary sibling folder and renamed into place, so a crash leaves the
+previous checkpoint and never a half-written one. `prune` keeps the newest K.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .lora_file import LoraModule, from_state_dict, load, save_atomic, to_state_dict
+
+STEP_FOLDER = re.compile(r"^step_(\d{6,})$")
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    step: int
+    losses: list[float]
+    config: dict
+    lora: dict[str, LoraModule]
+    optimizer_state: dict  # ready for `optimizer.load_state_dict`
+    rng: dict[str, torch.Tensor]
+
+
+def step_folder_name(step: int) -> str:
+    return f"step_{step:06d}"
+
+
+def _flatten_optimizer(state_dict: dict) -> tuple[dict[str, torch.Tensor], dict]:
+    tensors, scalars = {}, {}
+    for param_id, values in state_dict["state"].items():
+        for name, value in values.items():
+            if torch.is_tensor(value):
+                tensors[f"state.{param_id}.{name}"] = value.detach().contiguous().cpu()
+            else:
+                scalars[f"{param_id}.{name}"] = value
+    return tensors, {"param_groups": state_dict["param_groups"], "scalars": scalars}
+
+
+def _unflatten_optimizer(tensors: dict[str, torch.Tensor], extra: dict) -> dict:
+    state: dict[int, dict] = {}
+    for key, tensor in tensors.items():
+        _, param_id, name = key.split(".", 2)
+        state.setdefault(int(param_id), {})[name] = tensor
+    for key, value in extra["scalars"].items():
+        param_id, name = key.split(".", 1)
+        state.setdefault(int(param_id), {})[name] = value
+    return {"state": state, "param_groups": extra["param_groups"]}
+
+
+def save_checkpoint(
+    folder: Path,
+    step: int,
+    lora: dict[str, LoraModule],
+    optimizer: torch.optim.Optimizer,
+    rng: dict[str, torch.Tensor],
+    losses: list[float],
+    config: dict,
+    lora_metadata: dict[str, str] | None = None,
+) -> Path:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / step_folder_name(step)
+    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=folder))
+    try:
+        optimizer_tensors, optimizer_extra = _flatten_optimizer(optimizer.state_dict())
+        save_atomic(to_state_dict(lora), staging / "lora.safetensors", lora_metadata)
+        save_atomic(optimizer_tensors, staging / "optimizer.safetensors")
+        save_atomic({k: v.contiguous().cpu() for k, v in rng.items()}, staging / "rng.safetensors")
+        state = {"step": step, "losses": losses, "config": config, "optimizer": optimizer_extra}
+        (staging / "state.json").write_text(json.dumps(state), encoding="utf-8")
+        with open(staging / "state.json", "rb") as handle:
+            os.fsync(handle.fileno())
+        if final.exists():
+            retired = final.with_name(final.name + ".old")
+            shutil.rmtree(retired, ignore_errors=True)
+            os.replace(final, retired)
+            os.replace(staging, final)
+            shutil.rmtree(retired, ignore_errors=True)
+        else:
+            os.replace(staging, final)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return final
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    path = Path(path)
+    needed = ["lora.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
+    missing = [name for name in needed if not (path / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
+    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    lora_tensors, _ = load(path / "lora.safetensors")
+    optimizer_tensors, _ = load(path / "optimizer.safetensors")
+    rng, _ = load(path / "rng.safetensors")
+    return Checkpoint(
+        path,
+        int(state["step"]),
+        [float(x) for x in state["losses"]],
+        state["config"],
+        from_state_dict(lora_tensors),
+        _unflatten_optimizer(optimizer_tensors, state["optimizer"]),
+        rng,
+    )
+
+
+def list_checkpoints(folder: Path) -> list[Path]:
+    """Complete checkpoint folders under `folder`, oldest step first."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    found = [
+        (int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))
+    ]
+    return [p for _, p in sorted(found) if (p / "state.json").is_file()]
+
+
+def prune(folder: Path, keep_last: int) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns what went."""
+    if keep_last <= 0:
+        return []
+    doomed = list_checkpoints(folder)[:-keep_last]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
