@@ -1,49 +1,96 @@
-"""The one training configuration. Field comments are the documentation the TrainLoRA widgets
-show as tooltips."""
+"""The one training configuration. Each field carries the tooltip and limits of its TrainLoRA
+widget (`dataclasses.fields(TrainConfig)[i].metadata`): the node is built from this class."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from . import __version__
 from .lora_file import kohya_metadata
-from .lora_targets import check_preset
-from .objective import WEIGHTINGS, SigmaSampler
-from .position_ids import check_layout
+from .lora_targets import TARGET_PRESETS, check_preset
+from .objective import SAMPLERS, WEIGHTINGS, SigmaSampler
+from .position_ids import LAYOUTS, check_layout
 from .schedule import SCHEDULES
 
 OPTIMIZERS = ("adamw", "adafactor")
+TARGET_PRESET_NAMES = tuple(TARGET_PRESETS)
+LAYOUT_NAMES = tuple(LAYOUTS)
+
+
+def knob(default, tooltip: str, **limits):
+    """A config field with the tooltip and limits its TrainLoRA widget shows."""
+    return field(default=default, metadata={"tooltip": tooltip, **limits})
 
 
 @dataclass
 class TrainConfig:
-    steps: int = 1000  # optimizer steps to run
-    learning_rate: float = 1e-4  # peak learning rate
-    schedule: str = "constant"  # after warmup: constant, cosine or linear decay to zero
-    warmup_steps: int = 0  # steps over which the learning rate rises linearly from ~0
-    optimizer: str = "adamw"  # adamw, or adafactor (less optimizer memory)
-    weight_decay: float = 0.01  # weight decay on the LoRA weights
-    batch_size: int = 1  # samples per micro-batch, all from one aspect bucket
-    gradient_accumulation: int = 1  # micro-batches per optimizer step
-    max_grad_norm: float = 1.0  # clip the LoRA gradient norm to this; 0 disables clipping
-    rank: int = 16  # LoRA rank: capacity of the adapter
-    alpha: float = 16.0  # LoRA alpha: the update is scaled by alpha / rank
-    dropout: float = 0.0  # dropout on the LoRA input during training
-    targets: str = "attention_mlp"  # which layers get a LoRA: attention, attention_mlp, all_linear
-    layout: str = "offset"  # reference position-id layout; must match the one used at inference
-    timestep_sampler: str = "flux_shift"  # uniform, logit_normal, sigmoid, shift, flux_shift
-    logit_mean: float = 0.0  # logit_normal: mean
-    logit_std: float = 1.0  # logit_normal: standard deviation
-    sigmoid_scale: float = 1.0  # sigmoid / shift / flux_shift: sigmoid(scale * normal draw)
-    shift: float = 3.0  # shift: fixed discrete-flow shift
-    loss_weighting: str = "none"  # none, sigma_sqrt, cosmap
-    guidance: float = 1.0  # guidance-embedding value for guidance-distilled models (Flux dev / Kontext)
-    ip_noise_gamma: float = 0.0  # input-perturbation noise strength (0 = off)
-    caption_dropout: float = 0.0  # probability of training a sample on the empty prompt
-    gradient_checkpointing: bool = True  # recompute block activations in backward: less memory, ~30% slower
-    seed: int = 0  # seeds LoRA init, data order, noise, timesteps, dropout: the same seed gives the same run
-    save_every: int = 0  # write a resumable checkpoint every N steps (0: only when cancelled)
-    keep_last: int = 3  # checkpoints kept (older ones are deleted); 0 keeps all
+    steps: int = knob(1000, "Optimizer steps to run.", min=1, max=1_000_000)
+    learning_rate: float = knob(1e-4, "Peak learning rate.", min=1e-7, max=1.0, step=1e-6)
+    schedule: str = knob(
+        "constant", "After warmup: keep the rate, or decay it to zero (cosine / linear).", options=SCHEDULES
+    )
+    warmup_steps: int = knob(
+        0, "Steps over which the learning rate rises linearly from ~0.", min=0, max=100_000
+    )
+    optimizer: str = knob("adamw", "AdamW, or Adafactor (less optimizer memory).", options=OPTIMIZERS)
+    weight_decay: float = knob(0.01, "Weight decay on the LoRA weights.", min=0.0, max=1.0, step=0.001)
+    batch_size: int = knob(1, "Samples per micro-batch, all from one aspect bucket.", min=1, max=64)
+    gradient_accumulation: int = knob(1, "Micro-batches per optimizer step.", min=1, max=256)
+    max_grad_norm: float = knob(
+        1.0, "Clip the LoRA gradient norm to this; 0 disables clipping.", min=0.0, max=100.0, step=0.1
+    )
+    rank: int = knob(16, "LoRA rank: the adapter's capacity.", min=1, max=256)
+    alpha: float = knob(
+        16.0, "LoRA alpha: updates are scaled by alpha / rank.", min=0.01, max=1024.0, step=0.5
+    )
+    dropout: float = knob(0.0, "Dropout on the LoRA input during training.", min=0.0, max=0.9, step=0.01)
+    targets: str = knob(
+        "attention_mlp",
+        "Layers that get a LoRA (single blocks always adapt their fused attention + MLP layers).",
+        options=TARGET_PRESET_NAMES,
+    )
+    layout: str = knob(
+        "offset", "Reference position-id layout; sample with the same one.", options=LAYOUT_NAMES
+    )
+    timestep_sampler: str = knob(
+        "flux_shift",
+        "How noise levels are drawn; flux_shift follows Flux's resolution-dependent schedule.",
+        options=SAMPLERS,
+    )
+    logit_mean: float = knob(0.0, "logit_normal: mean.", min=-5.0, max=5.0, step=0.05)
+    logit_std: float = knob(1.0, "logit_normal: standard deviation.", min=0.01, max=5.0, step=0.05)
+    sigmoid_scale: float = knob(
+        1.0, "sigmoid / shift / flux_shift: sigmoid(scale x normal draw).", min=0.01, max=10.0, step=0.05
+    )
+    shift: float = knob(3.0, "shift: the fixed discrete-flow shift.", min=0.01, max=100.0, step=0.1)
+    loss_weighting: str = knob("none", "Per-sample loss weight by noise level.", options=WEIGHTINGS)
+    guidance: float = knob(
+        1.0,
+        "Guidance-embedding value for guidance-distilled models (FLUX.1 dev / "
+        "Kontext dev); peers train with 1.0.",
+        min=0.0,
+        max=100.0,
+        step=0.1,
+    )
+    ip_noise_gamma: float = knob(
+        0.0, "Input-perturbation noise strength (0 = off).", min=0.0, max=1.0, step=0.01
+    )
+    caption_dropout: float = knob(
+        0.0, "Probability of training a sample on the empty prompt.", min=0.0, max=1.0, step=0.01
+    )
+    gradient_checkpointing: bool = knob(
+        True, "Recompute block activations in backward: much less memory, about a third slower."
+    )
+    seed: int = knob(
+        0,
+        "Seeds LoRA init, data order, noise, timesteps and dropout: same seed, same run.",
+        min=0,
+        max=2**31 - 1,
+    )
+    save_every: int = knob(
+        0, "Write a resumable checkpoint every N steps (0: only when cancelled).", min=0, max=1_000_000
+    )
+    keep_last: int = knob(3, "Checkpoints kept; older ones are deleted (0 keeps all).", min=0, max=1000)
 
     def __post_init__(self):
         if self.steps < 1:

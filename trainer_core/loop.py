@@ -63,6 +63,26 @@ class TrainResult:
         return len(self.losses)
 
 
+@dataclass
+class _RandomState:
+    """Every random state a step consumes: the objective's generator and torch's global RNGs."""
+
+    generator: torch.Tensor
+    cpu: torch.Tensor
+    cuda: torch.Tensor | None
+
+    @classmethod
+    def capture(cls, generator: torch.Generator) -> _RandomState:
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
+        return cls(generator.get_state(), torch.get_rng_state(), cuda)
+
+    def restore(self, generator: torch.Generator) -> None:
+        generator.set_state(self.generator)
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None:
+            torch.cuda.set_rng_state(self.cuda)
+
+
 class DataOrder:
     """Micro-batch i of the run: epochs of `epoch_batches`, each epoch's order seeded by
     (seed, epoch), so any index can be recomputed on resume without replaying the run."""
@@ -101,7 +121,12 @@ def train(
     on_step: Callable[[StepInfo], bool | None] | None = None,
     resume: ResumeState | None = None,
     on_checkpoint: Callable[[int, TrainResult], None] | None = None,
+    stop_on: tuple[type[BaseException], ...] = (),
 ) -> TrainResult:
+    """`stop_on`: exceptions that mean "stop now" when raised inside a step (ComfyUI's
+    interrupt, raised by its ops during compute). The step is abandoned: its gradients are
+    dropped and every random state goes back to the step's start, so the result is exactly
+    that of stopping at the previous step boundary."""
     parameters = list(parameters)
     result = TrainResult(optimizer=make_optimizer(config, parameters), generator=torch.Generator())
     optimizer, generator = result.optimizer, result.generator
@@ -114,16 +139,23 @@ def train(
     accumulation = config.gradient_accumulation
     for step in range(start, config.steps):
         started = time.perf_counter()
+        boundary = _RandomState.capture(generator)
         # 1) learning rate for this step
         lr = config.learning_rate * lr_multiplier(step, config.steps, config.warmup_steps, config.schedule)
         for group in optimizer.param_groups:
             group["lr"] = lr
         # 2) gradients of the mean loss over the accumulated micro-batches
         total = 0.0
-        for micro in range(accumulation):
-            loss = loss_fn(batch_at(step * accumulation + micro), generator) / accumulation
-            loss.backward()
-            total += float(loss.detach())
+        try:
+            for micro in range(accumulation):
+                loss = loss_fn(batch_at(step * accumulation + micro), generator) / accumulation
+                loss.backward()
+                total += float(loss.detach())
+        except stop_on:
+            optimizer.zero_grad(set_to_none=True)
+            boundary.restore(generator)
+            result.stopped_early = True
+            break
         if not math.isfinite(total):
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(step + 1, total)

@@ -109,7 +109,14 @@ def attach_lora(
     if any(isinstance(m, LoraLayer) for m in model.modules()):
         raise RuntimeError("this model already has LoRA layers attached; detach them first")
     if initial is not None:
-        names = list(initial)
+        unknown = [name for name in initial if name not in dict(model.named_modules())]
+        if unknown:
+            raise ValueError(
+                f"the LoRA has layers this model does not: {', '.join(unknown[:5])}; "
+                "was it trained for another model?"
+            )
+        # model order, whatever order the file listed them in (optimizer state depends on it)
+        names = [name for name, _ in model.named_modules() if name in initial]
     names = list(names)
     if not names:
         raise ValueError("no layers to train: the target preset matched nothing in this model")

@@ -193,3 +193,30 @@ def test_data_order_covers_each_epoch_and_is_recomputable():
     fresh = DataOrder(buckets, batch_size=2, seed=4)
     assert fresh(9) == order(9)  # any index, without replaying the run
     assert [DataOrder(buckets, 2, 5)(i) for i in range(4)] != [fresh(i) for i in range(4)]
+
+
+def test_stop_inside_a_step_is_a_clean_boundary():
+    class Stop(Exception):
+        pass
+
+    config = TrainConfig(steps=5, learning_rate=0.05, seed=2)
+    weight, loss_fn = quadratic_problem()
+    uninterrupted = train(config, [weight], lambda i: 1.0, loss_fn).losses
+
+    stopped, stopped_loss_fn = quadratic_problem()
+    calls = []
+
+    def interrupted_loss(batch, generator):
+        calls.append(1)
+        loss = stopped_loss_fn(batch, generator)  # draws from the generator, then is interrupted
+        torch.rand(3)  # and consumes the global RNG, as dropout would
+        if len(calls) == 3:
+            raise Stop
+        return loss
+
+    result = train(config, [stopped], lambda i: 1.0, interrupted_loss, stop_on=(Stop,))
+    assert result.stopped_early and len(result.losses) == 2
+    assert stopped.grad is None  # the abandoned step left no gradient behind
+    state = ResumeState(2, result.losses, result.optimizer.state_dict(), result.generator.get_state())
+    resumed = train(config, [stopped], lambda i: 1.0, stopped_loss_fn, resume=state)
+    assert resumed.losses == uninterrupted

@@ -1,0 +1,23 @@
+"""The websocket event TrainLoRA sends while it trains. Names and fields are constants shared
+with the web extension (`web/js/training_events.js` holds the same values; a test compares
+them), so every Python event has exactly one JS listener with the same name."""
+
+from __future__ import annotations
+
+PROGRESS_EVENT = "kontext_trainer.progress"
+STATUSES = ("queued", "running", "cancelled", "finished", "error")
+PAYLOAD_FIELDS = (
+    "node",  # the TrainLoRA node's id in the graph
+    "prompt_id",
+    "lora_name",
+    "status",  # one of STATUSES
+    "step",  # optimizer steps done
+    "total",
+    "loss",  # this step's loss
+    "smoothed_loss",  # bias-corrected exponential moving average (0.9)
+    "lr",
+    "seconds_per_step",  # mean of the recent steps
+    "eta_seconds",
+    "message",  # why it stopped (errors, cancel), else ""
+)
+MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second

@@ -1,0 +1,160 @@
+"""TrainLoRA: trains a LoRA on the MODEL with a LoadKontextDataset dataset, in a background
+thread, with live progress, the stock Cancel, checkpoints and exact resume.
+
+The widgets are generated from `TrainConfig` (one widget per field, its tooltip and limits
+from the field's metadata), so the node and the config cannot drift apart.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+from comfy_api.latest import io
+
+from ..trainer_core.checkpoint import list_checkpoints, load_checkpoint
+from ..trainer_core.config import TrainConfig
+from ..trainer_core.names import lora_stem
+from .extension_ids import node_id
+from .load_kontext_dataset import Dataset
+from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
+from .training_job import MANAGER, Progress, wait_for
+from .training_run import LoraPaths, check_resume, run_training
+
+NO_RESUME = "none"
+LossMap = io.Custom("LOSS_MAP")  # {"loss": [...]}: the type ComfyUI's own LossGraphNode reads
+
+
+def config_widget(config_field: dataclasses.Field):
+    """The widget for one TrainConfig field."""
+    meta, default = config_field.metadata, config_field.default
+    name, tooltip = config_field.name, meta["tooltip"]
+    if "options" in meta:
+        return io.Combo.Input(name, options=list(meta["options"]), default=default, tooltip=tooltip)
+    if isinstance(default, bool):
+        return io.Boolean.Input(name, default=default, tooltip=tooltip)
+    limits = {k: meta[k] for k in ("min", "max", "step") if k in meta}
+    if isinstance(default, int):
+        return io.Int.Input(name, default=default, tooltip=tooltip, **limits)
+    return io.Float.Input(name, default=default, tooltip=tooltip, **limits)
+
+
+def loras_dir() -> Path:
+    import folder_paths
+
+    return Path(folder_paths.get_folder_paths("loras")[0])
+
+
+def resume_choices() -> list[str]:
+    """Every checkpoint under models/loras, as `<name>_checkpoints/step_NNNNNN`."""
+    root = loras_dir()
+    found = []
+    if root.is_dir():
+        for folder in sorted(root.glob("*_checkpoints")):
+            found += [path.relative_to(root).as_posix() for path in list_checkpoints(folder)]
+    return [NO_RESUME, *found]
+
+
+def resolve_resume(choice: str) -> Path | None:
+    if choice in ("", NO_RESUME):
+        return None
+    root = loras_dir().resolve()
+    path = (root / choice).resolve()
+    if root not in path.parents:
+        raise ValueError(f"resume_from: '{choice}' is not a checkpoint under models/loras")
+    return path
+
+
+def _prompt_server():
+    from server import PromptServer
+
+    return getattr(PromptServer, "instance", None)
+
+
+class EventSender:
+    """Sends PROGRESS_EVENT to every client when something changed, at most every
+    MIN_INTERVAL_SECONDS except for status changes."""
+
+    def __init__(self, node: str, prompt_id: str | None, lora_name: str):
+        self.base = {"node": node, "prompt_id": prompt_id, "lora_name": lora_name}
+        self._last: Progress | None = None
+        self._sent_at = 0.0
+
+    def __call__(self, progress: Progress) -> None:
+        server = _prompt_server()
+        if server is None:  # no server (ComfyUI used as a library): nothing to send to
+            return
+        now = time.monotonic()
+        changed_status = self._last is None or progress.status != self._last.status
+        if progress == self._last or (not changed_status and now - self._sent_at < MIN_INTERVAL_SECONDS):
+            return
+        self._last, self._sent_at = progress, now
+        server.send_sync(PROGRESS_EVENT, {**self.base, **dataclasses.asdict(progress)})
+
+
+class TrainLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls) -> io.Schema:
+        return io.Schema(
+            node_id=node_id("TrainLoRA"),
+            display_name="TrainLoRA",
+            category="Kontext Trainer",
+            description="Trains a LoRA for FLUX.1 / Kontext / DreamOmni2 on the MODEL in a background "
+            "thread; Cancel stops at a step boundary and writes a checkpoint to resume from.",
+            is_output_node=True,
+            not_idempotent=True,
+            hidden=[io.Hidden.unique_id],
+            inputs=[
+                io.Model.Input("model", tooltip="The MODEL from the stock loader (a clone is trained)."),
+                Dataset.Input("dataset", tooltip="From LoadKontextDataset."),
+                io.String.Input(
+                    "lora_name",
+                    default="kontext_lora",
+                    tooltip="Saved as models/loras/<name>.safetensors; checkpoints in <name>_checkpoints/.",
+                ),
+                io.Combo.Input(
+                    "resume_from",
+                    options=resume_choices(),
+                    default=NO_RESUME,
+                    tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...).",
+                ),
+                *[config_widget(f) for f in dataclasses.fields(TrainConfig)],
+            ],
+            outputs=[
+                io.Model.Output(
+                    display_name="MODEL", tooltip="The MODEL with the trained LoRA applied (a clone)."
+                ),
+                io.String.Output(display_name="lora_name", tooltip="The file name in models/loras."),
+                LossMap.Output(display_name="loss_map", tooltip="Loss per step."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, model, dataset, lora_name, resume_from, **settings) -> io.NodeOutput:
+        import comfy.model_management
+        import comfy.sd
+        import comfy.utils
+
+        paths = LoraPaths(loras_dir(), lora_stem(lora_name))
+        config = TrainConfig(**settings)
+        resume = None
+        if (resume_path := resolve_resume(resume_from)) is not None:
+            resume = load_checkpoint(resume_path)
+            check_resume(resume, config)
+        bar = comfy.utils.ProgressBar(config.steps)
+        server = _prompt_server()
+        prompt_id = getattr(server, "last_prompt_id", None)
+        send = EventSender(str(cls.hidden.unique_id), prompt_id, paths.lora.name)
+
+        def on_poll(progress: Progress) -> None:
+            send(progress)
+            bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
+
+        job = MANAGER.start(paths.stem, lambda job: run_training(job, model, dataset, config, paths, resume))
+        outcome = wait_for(job, on_poll, comfy.model_management.throw_exception_if_processing_interrupted)
+        comfy.model_management.soft_empty_cache()
+        if outcome.cancelled:  # stopped without a Cancel in this prompt (e.g. server shutdown)
+            raise comfy.model_management.InterruptProcessingException()
+        trained, _ = comfy.sd.load_lora_for_models(model, None, outcome.lora_state, 1.0, 0)
+        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses})

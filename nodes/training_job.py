@@ -1,0 +1,137 @@
+"""One background training per process, and the prompt-side wait that keeps ComfyUI informed.
+
+The training runs in its own thread (which starts outside inference mode). The prompt thread
+waits in `wait_for`: every poll it reports progress (ComfyUI's ProgressBar, our websocket
+event) and checks ComfyUI's interrupt flag, so the stock Cancel button asks the training to
+stop at the next step boundary; the wait then lets it write its checkpoint before the
+interrupt propagates. An exception in the thread is re-raised in the prompt thread, where
+ComfyUI shows it on the node.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from ..trainer_core.loop import StepInfo
+
+
+@dataclass(frozen=True)
+class Progress:
+    status: str = "queued"
+    step: int = 0
+    total: int = 0
+    loss: float | None = None
+    smoothed_loss: float | None = None
+    lr: float | None = None
+    seconds_per_step: float | None = None
+    eta_seconds: float | None = None
+    message: str = ""
+
+
+class ProgressTracker:
+    """Turns StepInfos into Progress: EMA-smoothed loss, recent speed, ETA."""
+
+    def __init__(self, total: int, start_step: int = 0, beta: float = 0.9, window: int = 10):
+        self.total, self.beta = total, beta
+        self._ema, self._count = 0.0, 0
+        self._times: deque[float] = deque(maxlen=window)
+        self.progress = Progress(status="running", step=start_step, total=total)
+
+    def update(self, info: StepInfo) -> Progress:
+        self._count += 1
+        self._ema = self.beta * self._ema + (1 - self.beta) * info.loss
+        self._times.append(info.seconds)
+        per_step = sum(self._times) / len(self._times)
+        self.progress = replace(
+            self.progress,
+            step=info.step,
+            loss=info.loss,
+            smoothed_loss=self._ema / (1 - self.beta**self._count),  # bias-corrected
+            lr=info.learning_rate,
+            seconds_per_step=per_step,
+            eta_seconds=per_step * (self.total - info.step),
+        )
+        return self.progress
+
+
+class TrainingJob:
+    def __init__(self, name: str, target: Callable[[TrainingJob], object]):
+        self.name = name
+        self.stop_requested = threading.Event()
+        self.result = None
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._progress = Progress()
+        self._target = target
+        self.thread = threading.Thread(target=self._run, name=f"kontext-trainer:{name}", daemon=True)
+
+    def _run(self) -> None:
+        try:
+            self.result = self._target(self)
+        except BaseException as error:  # re-raised in the prompt thread by wait_for
+            self.error = error
+            self.report(status="error", message=str(error))
+
+    def report(self, progress: Progress | None = None, **fields) -> None:
+        with self._lock:
+            self._progress = replace(progress or self._progress, **fields)
+
+    def snapshot(self) -> Progress:
+        with self._lock:
+            return self._progress
+
+    @property
+    def running(self) -> bool:
+        return self.thread.is_alive()
+
+
+class JobManager:
+    """Allows one training at a time in this process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self.current: TrainingJob | None = None
+
+    def start(self, name: str, target: Callable[[TrainingJob], object]) -> TrainingJob:
+        with self._lock:
+            if self.current is not None and self.current.running:
+                busy = self.current.snapshot()
+                raise RuntimeError(
+                    f"a training is already running (LoRA '{self.current.name}', "
+                    f"step {busy.step}/{busy.total}); wait for it to finish or press Cancel, "
+                    "then queue this one again"
+                )
+            self.current = TrainingJob(name, target)
+            self.current.thread.start()
+            return self.current
+
+
+MANAGER = JobManager()
+
+
+def wait_for(
+    job: TrainingJob,
+    on_poll: Callable[[Progress], None],
+    check_interrupt: Callable[[], None],
+    poll_seconds: float = 0.1,
+):
+    """Block until `job` ends; see the module docstring. Returns the job's result."""
+    while job.running:
+        job.thread.join(poll_seconds)
+        try:
+            on_poll(job.snapshot())
+            check_interrupt()
+        except BaseException:
+            job.stop_requested.set()  # stop at the next step boundary, checkpoint, then re-raise
+            job.thread.join()
+            with contextlib.suppress(Exception):
+                on_poll(job.snapshot())  # the final status (cancelled) still reaches the UI
+            raise
+    on_poll(job.snapshot())
+    if job.error is not None:
+        raise job.error
+    return job.result

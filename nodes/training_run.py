@@ -1,0 +1,172 @@
+"""The body of one training job (runs in the job's thread): dataset batches -> LoRA session ->
+loop, with checkpoints, the final LoRA file, and a clear outcome for every way it can end.
+
+Files (all atomic): the LoRA at `models/loras/<name>.safetensors`; checkpoints in the sibling
+folder `models/loras/<name>_checkpoints/step_NNNNNN/`, the newest `keep_last` kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ..trainer_core.checkpoint import Checkpoint, prune, save_checkpoint
+from ..trainer_core.config import TrainConfig
+from ..trainer_core.dataset import KontextDataset
+from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
+from ..trainer_core.names import SUFFIX
+from .flux_training import flux_lora_session
+from .training_job import ProgressTracker, TrainingJob
+
+# Must match between a checkpoint and the run resuming it (they shape the LoRA or its ids).
+RESUME_MUST_MATCH = ("rank", "alpha", "targets", "layout", "seed", "batch_size", "gradient_accumulation")
+
+
+@dataclass(frozen=True)
+class LoraPaths:
+    loras_dir: Path
+    stem: str
+
+    @property
+    def lora(self) -> Path:
+        return self.loras_dir / f"{self.stem}{SUFFIX}"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.loras_dir / f"{self.stem}_checkpoints"
+
+
+@dataclass
+class TrainingOutcome:
+    losses: list[float]
+    lora_state: dict[str, torch.Tensor] = field(default_factory=dict)  # the saved file's tensors
+    cancelled: bool = False
+    checkpoint: Path | None = None
+
+
+def check_resume(checkpoint: Checkpoint, config: TrainConfig) -> None:
+    for name in RESUME_MUST_MATCH:
+        if checkpoint.config.get(name) != getattr(config, name):
+            raise ValueError(
+                f"resume_from: the checkpoint was trained with {name}={checkpoint.config.get(name)!r} but "
+                f"this run has {name}={getattr(config, name)!r}; set it back to resume"
+            )
+    if checkpoint.step >= config.steps:
+        raise ValueError(
+            f"resume_from: the checkpoint is at step {checkpoint.step} and steps is {config.steps}; "
+            "raise steps to train further"
+        )
+
+
+def base_model_name(dataset: KontextDataset) -> str:
+    return "flux1_kontext" if dataset.reference_count else "flux1_dev"
+
+
+def _rng_state(generator: torch.Generator) -> dict[str, torch.Tensor]:
+    state = {"generator": generator.get_state(), "cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def _restore_global_rng(rng: dict[str, torch.Tensor]) -> None:
+    torch.set_rng_state(rng["cpu"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+
+
+def run_training(
+    job: TrainingJob,
+    model,
+    dataset: KontextDataset,
+    config: TrainConfig,
+    paths: LoraPaths,
+    resume: Checkpoint | None = None,
+) -> TrainingOutcome:
+    import comfy.model_management
+
+    if not dataset.entries:
+        raise ValueError("the dataset has no training samples (all held out?)")
+    samples = {}
+
+    def sample(index: int):
+        if index not in samples:  # read each sample from the cache once
+            samples[index] = dataset.sample(dataset.entries[index], latent_in=model.model.process_latent_in)
+        return samples[index]
+
+    order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
+    metadata = config.file_metadata(
+        config.steps, dataset.settings.resolution, base_model_name(dataset), dataset.content_hash
+    )
+    empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
+    tracker = ProgressTracker(config.steps, resume.step if resume else 0)
+    job.report(tracker.progress)
+
+    with flux_lora_session(model, config, resume.lora if resume else None, empty_text) as session:
+        resume_state = None
+        if resume is not None:
+            _restore_global_rng(resume.rng)  # dropout continues exactly where it stopped
+            resume_state = ResumeState(
+                resume.step, resume.losses, resume.optimizer_state, resume.rng["generator"]
+            )
+
+        def save(step: int, result: TrainResult) -> Path:
+            path = save_checkpoint(
+                paths.checkpoints,
+                step,
+                session.lora.modules(),
+                result.optimizer,
+                _rng_state(result.generator),
+                result.losses,
+                dataclasses.asdict(config),
+                {**metadata, "ss_steps": str(step)},
+            )
+            prune(paths.checkpoints, config.keep_last)
+            return path
+
+        def on_step(info) -> bool:
+            job.report(tracker.update(info))
+            return not job.stop_requested.is_set()
+
+        try:
+            result = train(
+                config,
+                session.lora.parameters(),
+                lambda index: [sample(i) for i in order(index)],
+                session.loss,
+                on_step,
+                resume_state,
+                on_checkpoint=save,
+                stop_on=(comfy.model_management.InterruptProcessingException,),
+            )
+        except NonFiniteLoss as error:
+            job.report(status="error", message=str(error))
+            raise
+        except torch.OutOfMemoryError:
+            raise RuntimeError(
+                "out of GPU memory while training; try fp8 base weights, block swapping, a smaller "
+                "resolution or batch size, or gradient checkpointing"
+            ) from None
+        if result.stopped_early:
+            checkpoint = save(result.steps, result)
+            job.report(status="cancelled", message=f"stopped at step {result.steps}; checkpoint {checkpoint}")
+            return TrainingOutcome(result.losses, cancelled=True, checkpoint=checkpoint)
+        state = session.save(
+            paths.lora,
+            config.steps,
+            dataset.settings.resolution,
+            base_model_name(dataset),
+            dataset.content_hash,
+        )
+        lora_state = _read_back(state)
+    job.report(status="finished", message=str(paths.lora))
+    return TrainingOutcome(result.losses, lora_state)
+
+
+def _read_back(path: Path) -> dict[str, torch.Tensor]:
+    from ..trainer_core.lora_file import load
+
+    return load(path)[0]

@@ -1,0 +1,199 @@
+"""TrainLoRA in the real runtime (in-process): files, outputs, resume, cancel, NaN, names,
+one job at a time, and the event constants shared with the web extension."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import re
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.paths import REPO_ROOT
+from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
+
+
+@pytest.fixture(scope="module")
+def mods(pack):
+    def load(name):
+        return importlib.import_module(f"{pack.__name__}.{name}")
+
+    return type(
+        "Mods",
+        (),
+        {
+            "node": load("nodes.train_lora"),
+            "data": load("nodes.load_kontext_dataset"),
+            "job": load("nodes.training_job"),
+            "events": load("nodes.progress_events"),
+            "checkpoint": load("trainer_core.checkpoint"),
+            "config": load("trainer_core.config"),
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def dataset(mods, tmp_path_factory):
+    root = write_one_folder(
+        tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=1, size=(64, 64)
+    )
+    node = mods.data.LoadKontextDataset
+    return node.execute(
+        small_flux_vae(seed=1),
+        tiny_clip(seed=2),
+        mods.data.USE_PATH,
+        str(root),
+        256,
+        64,
+        0,
+        "white",
+        0,
+        0,
+        str(tmp_path_factory.mktemp("cache")),
+    ).args[0]
+
+
+def settings(mods, **overrides):
+    defaults = {f.name: f.default for f in dataclasses.fields(mods.config.TrainConfig)}
+    defaults.update(steps=4, rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
+    defaults.update(overrides)
+    return defaults
+
+
+def train(mods, dataset, name, resume="none", model=None, **overrides):
+    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
+    return mods.node.TrainLoRA.execute(
+        model or tiny_flux_patcher(seed=3), dataset, name, resume, **settings(mods, **overrides)
+    ).args
+
+
+def loras_dir():
+    import folder_paths
+
+    return Path(folder_paths.get_folder_paths("loras")[0])
+
+
+def test_trains_saves_and_outputs_the_trained_model(mods, dataset, comfy_runtime):
+    model, name, loss_map = train(mods, dataset, "kt_node_run", steps=3)
+    assert name == "kt_node_run.safetensors" and (loras_dir() / name).is_file()
+    assert len(loss_map["loss"]) == 3
+    # The output MODEL is the input with the saved file applied the stock way.
+    stock = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(
+        tiny_flux_patcher(seed=3), name, 1.0
+    )[0]
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=gen)
+    cond = {
+        "c_crossattn": torch.randn(1, 77, 48, generator=gen),
+        "y": torch.randn(1, 48, generator=gen),
+        "guidance": torch.tensor([1.0]),
+    }
+    import comfy.model_management
+
+    outputs = []
+    for patcher in (model, stock):
+        comfy.model_management.load_models_gpu([patcher])
+        with torch.no_grad():
+            outputs.append(patcher.model.apply_model(x, torch.tensor([0.5]), **cond))
+    assert torch.equal(outputs[0], outputs[1])
+
+
+def test_widgets_come_from_the_config(mods):
+    schema = mods.node.TrainLoRA.define_schema()
+    widgets = {i.id: i for i in schema.inputs}
+    for f in dataclasses.fields(mods.config.TrainConfig):
+        assert widgets[f.name].tooltip == f.metadata["tooltip"]
+    assert widgets["targets"].options == ["attention", "attention_mlp", "all_linear"]
+
+
+def test_resume_continues_with_identical_losses(mods, dataset):
+    _, _, uninterrupted = train(mods, dataset, "kt_resume_a", steps=6, save_every=3, dropout=0.1, seed=5)
+    checkpoint = "kt_resume_a_checkpoints/step_000003"
+    assert checkpoint in mods.node.resume_choices()
+    _, _, resumed = train(
+        mods, dataset, "kt_resume_b", resume=checkpoint, steps=6, save_every=3, dropout=0.1, seed=5
+    )
+    assert resumed["loss"] == uninterrupted["loss"]  # steps 1-3 from the checkpoint, 4-6 trained again
+    with pytest.raises(ValueError, match="checkpoint was trained with rank=2 but this run has rank=4"):
+        train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, rank=4, seed=5)
+
+
+def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods, dataset):
+    import comfy.model_management
+
+    def press_cancel():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            job = mods.job.MANAGER.current
+            if job is not None and job.name == "kt_cancel" and job.snapshot().step >= 2:
+                comfy.model_management.interrupt_current_processing(True)
+                return
+            time.sleep(0.01)
+
+    presser = threading.Thread(target=press_cancel)
+    presser.start()
+    with pytest.raises(comfy.model_management.InterruptProcessingException):
+        train(mods, dataset, "kt_cancel", steps=10_000)
+    presser.join()
+    job = mods.job.MANAGER.current
+    assert not job.running and job.snapshot().status == "cancelled", (job.error, job.snapshot())
+    saved = mods.checkpoint.list_checkpoints(loras_dir() / "kt_cancel_checkpoints")
+    assert len(saved) == 1
+    stopped_at = mods.checkpoint.load_checkpoint(saved[0]).step
+    assert 2 <= stopped_at < 10_000
+    assert not (loras_dir() / "kt_cancel.safetensors").exists()
+    _, _, losses = train(mods, dataset, "kt_after_cancel", steps=2)  # the next prompt runs normally
+    assert len(losses["loss"]) == 2
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(mods, dataset):
+    poisoned = dataclasses.replace(dataset, entries=list(dataset.entries))
+    entry = poisoned.entries[1]
+    latent = poisoned.cache.load("latents", entry.target_key)["latent"]
+    poisoned.cache.put("latents", "f" * 64, {"latent": torch.full_like(latent, float("nan"))})
+    poisoned.entries[1] = dataclasses.replace(entry, target_key="f" * 64)
+    with pytest.raises(Exception, match=r"the loss became nan at step (\d+)") as caught:
+        train(mods, poisoned, "kt_nan", steps=20, save_every=1, batch_size=1)
+    step = int(re.search(r"step (\d+)", str(caught.value)).group(1))
+    saved = mods.checkpoint.list_checkpoints(loras_dir() / "kt_nan_checkpoints")
+    if step > 1:
+        last = mods.checkpoint.load_checkpoint(saved[-1])
+        assert last.step == step - 1 and all(torch.isfinite(torch.tensor(last.losses)))
+    assert not (loras_dir() / "kt_nan.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["../escape", "sub/dir", "CON", ""])
+def test_bad_names_are_refused_before_training(mods, dataset, name):
+    with pytest.raises(ValueError, match="lora_name"):
+        train(mods, dataset, name, steps=1)
+
+
+def test_one_training_at_a_time(mods):
+    release = threading.Event()
+    first = mods.job.MANAGER.start("kt_blocker", lambda job: release.wait(30))
+    try:
+        with pytest.raises(RuntimeError, match="a training is already running \\(LoRA 'kt_blocker'"):
+            mods.job.MANAGER.start("kt_second", lambda job: None)
+    finally:
+        release.set()
+        first.thread.join()
+
+
+def test_event_constants_match_the_web_extension(mods):
+    source = (REPO_ROOT / "web" / "js" / "training_events.js").read_text()
+    assert re.search(r'PROGRESS_EVENT = "([^"]+)"', source).group(1) == mods.events.PROGRESS_EVENT
+
+    def js_list(name):
+        body = re.search(rf"{name} = \[(.*?)\];", source, re.S).group(1)
+        return json.loads(f"[{body.strip().rstrip(',')}]")
+
+    assert js_list("STATUSES") == list(mods.events.STATUSES)
+    assert js_list("PAYLOAD_FIELDS") == list(mods.events.PAYLOAD_FIELDS)
+    progress_fields = [f.name for f in dataclasses.fields(mods.job.Progress)]
+    assert set(mods.events.PAYLOAD_FIELDS) == {"node", "prompt_id", "lora_name", *progress_fields}
