@@ -141,6 +141,30 @@ def initial_lora_from_file(path, model) -> dict[str, LoraModule]:
     return modules
 
 
+def make_autograd_safe_(module: torch.nn.Module) -> int:
+    """Replace the module's inference tensors by normal copies, in place; returns how many.
+
+    ComfyUI runs every node under `torch.inference_mode()`, so the weights a stock loader
+    creates are inference tensors, which autograd refuses to use (even frozen ones: a Linear
+    saves its weight to compute the input's gradient, and inference tensors keep no version
+    counter). Each such parameter is swapped for a new Parameter with the same name, value
+    and flag, as ComfyUI's own weight patching swaps parameters; other workflows see
+    bit-identical outputs. Costs one tensor's copy at a time."""
+    replaced: dict[int, torch.Tensor] = {}
+    for child in module.modules():
+        for table in (child._parameters, child._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_inference():
+                    continue
+                if id(tensor) not in replaced:  # tied weights stay tied
+                    copy = tensor.detach().clone()
+                    if isinstance(tensor, torch.nn.Parameter):
+                        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+                    replaced[id(tensor)] = copy
+                table[name] = replaced[id(tensor)]
+    return len(replaced)
+
+
 def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
@@ -166,6 +190,7 @@ def flux_lora_session(
         install_trainable_blocks(clone, config.gradient_checkpointing)
         comfy.model_management.load_models_gpu([clone])
         diffusion_model = clone.model.diffusion_model
+        make_autograd_safe_(diffusion_model)
         names = target_module_names(linear_names(diffusion_model), config.targets)
         lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
         was_training = diffusion_model.training

@@ -8,6 +8,7 @@ folder `models/loras/<name>_checkpoints/step_NNNNNN/`, the newest `keep_last` ke
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -78,6 +79,17 @@ def _restore_global_rng(rng: dict[str, torch.Tensor]) -> None:
         torch.cuda.set_rng_state(rng["cuda"])
 
 
+def remove_stale_partials(paths: LoraPaths) -> list[Path]:
+    """Temp files and staging folders a crash left behind for this LoRA name (never visible
+    under a real name, but they take space)."""
+    stale = [*paths.loras_dir.glob(f".{paths.lora.name}.*.partial")]
+    if paths.checkpoints.is_dir():
+        stale += [p for p in paths.checkpoints.iterdir() if p.name.endswith(".partial")]
+    for path in stale:
+        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+    return stale
+
+
 def run_training(
     job: TrainingJob,
     model,
@@ -97,6 +109,7 @@ def run_training(
             samples[index] = dataset.sample(dataset.entries[index], latent_in=model.model.process_latent_in)
         return samples[index]
 
+    remove_stale_partials(paths)
     order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
     metadata = config.file_metadata(
         config.steps, dataset.settings.resolution, base_model_name(dataset), dataset.content_hash

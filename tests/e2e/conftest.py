@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.server import ComfyServer
 
 CHROMIUM_FLAGS = [
@@ -21,7 +22,8 @@ CHROMIUM_FLAGS = [
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    with ComfyServer(tmp_path_factory.mktemp("server-base")) as running:
+    """One server per session, with the pack and the tests' own tiny-model nodes."""
+    with ComfyServer(tmp_path_factory.mktemp("server-base"), extra_packs=TEST_NODE_PACKS) as running:
         yield running
 
 

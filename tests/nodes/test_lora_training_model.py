@@ -232,3 +232,17 @@ def test_held_out_loss_halves_and_the_reference_is_used(ft, core):
         after, after_mismatched = evaluate(session, held_out), evaluate(session, mismatched)
     assert after <= 0.5 * before, (before, after)
     assert after < 0.8 * after_mismatched, (after, after_mismatched)
+
+
+def test_trains_a_model_created_in_inference_mode(ft, core):
+    """ComfyUI builds every MODEL inside torch.inference_mode(); training must still work and
+    leave the model's outputs bit-identical."""
+    with torch.inference_mode():
+        model = tiny_flux_patcher(seed=14)
+    assert next(model.model.diffusion_model.parameters()).is_inference()
+    before = sampling_output(model)
+    config = ft.TrainConfig(steps=2, rank=2, alpha=2.0, learning_rate=1e-2)
+    with ft.flux_lora_session(model, config) as session:
+        result = train_steps(core, session, config, samples_for(core, 2, seed=4))
+    assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
+    assert torch.equal(sampling_output(model), before)

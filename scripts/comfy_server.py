@@ -1,0 +1,200 @@
+"""A real ComfyUI server subprocess on a free loopback port, with the pack installed; used by
+the demo (`scripts/demo.py`) and by the end-to-end tests (`tests/kt_testing` re-exports it).
+
+    with ComfyServer(base_dir) as server:
+        server.get_json("/object_info")
+
+It is started as `python main.py --cpu ...` from the ComfyUI root, logs to a file in the base
+directory, and is stopped by its PID (SIGTERM, then SIGKILL after a grace period).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+COMFYUI_ENV = "KONTEXT_TRAINER_COMFYUI"
+# The folder name the pack gets inside a test ComfyUI's custom_nodes.
+PACK_DIR_NAME = "kontext-trainer"
+
+
+def comfyui_root() -> Path:
+    """The ComfyUI checkout named by KONTEXT_TRAINER_COMFYUI, else the bundled copy."""
+    named = os.environ.get(COMFYUI_ENV)
+    root = Path(named).resolve() if named else REPO_ROOT / ".comfyui"
+    if not (root / "main.py").is_file():
+        hint = f"{COMFYUI_ENV}={named}" if named else "the bundled .comfyui/"
+        raise RuntimeError(f"no ComfyUI at {root} ({hint}); run `make setup` first")
+    return root
+
+
+def asset_cache_dir() -> Path:
+    """Generated model files live here, outside git, and survive between runs."""
+    return Path(os.environ.get("KONTEXT_TRAINER_ASSET_CACHE", REPO_ROOT / ".cache" / "assets"))
+
+
+def make_base_directory(base: Path, extra_packs: dict[str, Path] | None = None) -> Path:
+    """A ComfyUI --base-directory with the pack installed the way a user installs it (a folder
+    in custom_nodes), plus any `extra_packs` (name -> folder), e.g. the tests' own nodes."""
+    for sub in ("custom_nodes", "models", "input", "output", "temp", "user"):
+        (base / sub).mkdir(parents=True, exist_ok=True)
+    for name, target in {PACK_DIR_NAME: REPO_ROOT, **(extra_packs or {})}.items():
+        link = base / "custom_nodes" / name
+        if not link.exists():
+            link.symlink_to(Path(target).resolve(), target_is_directory=True)
+    return base
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(
+        self, base_dir: Path, start_timeout: float = 180.0, extra_packs: dict[str, Path] | None = None
+    ):
+        self.base_dir = make_base_directory(base_dir, extra_packs)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = self.base_dir / "server.log"
+        self.start_timeout = start_timeout
+        self.process: subprocess.Popen | None = None
+
+    def __enter__(self) -> ComfyServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        cmd = [
+            sys.executable,
+            "main.py",
+            "--cpu",
+            "--listen",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--base-directory",
+            str(self.base_dir),
+            "--disable-auto-launch",
+            "--database-url",
+            "sqlite:///:memory:",
+        ]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self._log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(
+            cmd,
+            cwd=comfyui_root(),
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + self.start_timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()[-4000:]}")
+            try:
+                self.get_json("/system_stats", timeout=2)
+                return
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.3)
+        self.stop()
+        raise TimeoutError(f"ComfyUI did not answer within {self.start_timeout} s:\n{self.log()[-4000:]}")
+
+    def stop(self) -> None:
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.kill(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=15)
+        self._log.close()
+        self.process = None
+
+    def kill(self) -> None:
+        """SIGKILL the server at once (no shutdown, no cleanup), as a crash or power cut would."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait(timeout=15)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def get(self, path: str, timeout: float = 30) -> bytes:
+        with urllib.request.urlopen(self.url + path, timeout=timeout) as response:
+            return response.read()
+
+    def get_json(self, path: str, timeout: float = 30):
+        return json.loads(self.get(path, timeout))
+
+    def post_json(self, path: str, payload: dict, timeout: float = 30):
+        request = urllib.request.Request(
+            self.url + path,
+            data=json.dumps(payload).encode(),
+            headers={"Content-Type": "application/json"},
+            method="POST",
+        )
+        with urllib.request.urlopen(request, timeout=timeout) as response:
+            body = response.read()
+        return json.loads(body) if body else None
+
+    def websocket(self, client_id: str | None = None):
+        """A websocket-client connection to /ws, plus the client id it announced."""
+        import websocket
+
+        client_id = client_id or uuid.uuid4().hex
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
+        return ws, client_id
+
+    def history(self, prompt_id: str, timeout: float = 30) -> dict:
+        """The prompt's /history entry. ComfyUI writes it just after it sends
+        execution_success, so poll for it briefly."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get_json(f"/history/{prompt_id}").get(prompt_id)
+            if entry is not None:
+                return entry
+            time.sleep(0.1)
+        raise TimeoutError(f"no history for prompt {prompt_id} after {timeout} s")
+
+    def run_prompt(self, prompt: dict, timeout: float = 300) -> tuple[str, list[dict]]:
+        """Queue an API-format graph and collect websocket messages until it finishes."""
+        ws, client_id = self.websocket()
+        try:
+            queued = self.post_json("/prompt", {"prompt": prompt, "client_id": client_id})
+            prompt_id = queued["prompt_id"]
+            messages, deadline = [], time.monotonic() + timeout
+            while time.monotonic() < deadline:
+                raw = ws.recv()
+                if not isinstance(raw, str):
+                    continue  # binary preview frames
+                message = json.loads(raw)
+                messages.append(message)
+                data = message.get("data", {})
+                if data.get("prompt_id") == prompt_id and message["type"] in (
+                    "execution_success",
+                    "execution_error",
+                    "execution_interrupted",
+                ):
+                    return prompt_id, messages
+            raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout} s")
+        finally:
+            ws.close()

@@ -1,0 +1,195 @@
+"""TrainLoRA on a real ComfyUI server, driven over HTTP and the websocket: live progress
+events, the stock Cancel (/interrupt), the stock LoraLoaderModelOnly on the result, a NaN
+stopping the run, and a server killed mid-save leaving every file whole."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.paths import TEST_NODE_PACKS
+from kt_testing.server import ComfyServer
+from trainer_core.checkpoint import list_checkpoints, load_checkpoint
+from trainer_core.config import TrainConfig
+from trainer_core.lora_file import load
+
+PROGRESS_EVENT = "kontext_trainer.progress"
+
+
+def training_graph(dataset: Path, lora_name: str, poison: bool = False, **overrides) -> dict:
+    settings = {f: getattr(TrainConfig(), f) for f in TrainConfig.__dataclass_fields__}
+    settings.update(rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
+    settings.update(overrides)
+    graph = {
+        "1": {"class_type": "KTTest_TinyFluxModel", "inputs": {"seed": 3}},
+        "2": {"class_type": "KTTest_SmallFluxVAE", "inputs": {"seed": 1}},
+        "3": {"class_type": "KTTest_TinyCLIP", "inputs": {"seed": 2}},
+        "4": {
+            "class_type": "KontextTrainer_LoadKontextDataset",
+            "inputs": {
+                "vae": ["2", 0],
+                "clip": ["3", 0],
+                "folder": "(absolute path below)",
+                "path": str(dataset),
+                "resolution": 256,
+                "reference_resolution": 64,
+                "min_size": 0,
+                "background": "white",
+                "hold_out": 0,
+                "seed": 0,
+                "cache_folder": "",
+            },
+        },
+        "5": {
+            "class_type": "KontextTrainer_TrainLoRA",
+            "inputs": {
+                "model": ["1", 0],
+                "dataset": ["6" if poison else "4", 0],
+                "lora_name": lora_name,
+                "resume_from": "none",
+                **settings,
+            },
+        },
+    }
+    if poison:
+        graph["6"] = {"class_type": "KTTest_PoisonDataset", "inputs": {"dataset": ["4", 0], "index": 1}}
+    return graph
+
+
+@pytest.fixture(scope="module")
+def dataset(server):
+    return write_one_folder(
+        server.base_dir / "input" / "kt_e2e_set", ["a", "b", "c"], references=1, size=(64, 64)
+    )
+
+
+def loras(server) -> Path:
+    return server.base_dir / "models" / "loras"
+
+
+def progress_events(messages):
+    return [m["data"] for m in messages if m["type"] == PROGRESS_EVENT]
+
+
+def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
+    prompt_id, messages = server.run_prompt(training_graph(dataset, "kt_e2e_events", steps=6))
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    events = progress_events(messages)
+    steps = [e["step"] for e in events]
+    assert events[-1]["status"] == "finished" and events[-1]["step"] == 6 and events[-1]["total"] == 6
+    assert steps == sorted(steps) and len(set(steps)) >= 2  # live: several steps reported
+    assert all(set(e) >= {"loss", "smoothed_loss", "lr", "eta_seconds", "node", "prompt_id"} for e in events)
+    assert events[-1]["node"] == "5" and events[-1]["prompt_id"] == prompt_id
+    assert any(m["type"] == "progress" and m["data"]["node"] == "5" for m in messages)  # ComfyUI's own bar
+    outputs = server.history(prompt_id)["outputs"]
+    assert (loras(server) / "kt_e2e_events.safetensors").is_file()
+
+    probe = {
+        "1": {"class_type": "KTTest_TinyFluxModel", "inputs": {"seed": 3}},
+        "2": {
+            "class_type": "LoraLoaderModelOnly",
+            "inputs": {"model": ["1", 0], "lora_name": "kt_e2e_events.safetensors", "strength_model": 1.0},
+        },
+        "3": {"class_type": "KTTest_ModelDifference", "inputs": {"model_a": ["2", 0], "model_b": ["1", 0]}},
+    }
+    probe_id, probe_messages = server.run_prompt(probe)
+    assert probe_messages[-1]["type"] == "execution_success", probe_messages[-1]
+    assert server.history(probe_id)["outputs"]["3"]["difference"][0] > 0  # the LoRA changes the model
+    assert outputs is not None
+
+
+def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, dataset):
+    ws, client_id = server.websocket()
+    try:
+        queued = server.post_json(
+            "/prompt",
+            {"prompt": training_graph(dataset, "kt_e2e_cancel", steps=100_000), "client_id": client_id},
+        )
+        messages, interrupted_at, deadline = [], None, time.monotonic() + 300
+        while time.monotonic() < deadline:
+            raw = ws.recv()
+            if not isinstance(raw, str):
+                continue
+            message = json.loads(raw)
+            messages.append(message)
+            data = message.get("data", {})
+            if message["type"] == PROGRESS_EVENT and data.get("step", 0) >= 2 and interrupted_at is None:
+                interrupted_at = data["step"]
+                server.post_json("/interrupt", {})
+            if data.get("prompt_id") == queued["prompt_id"] and message["type"] in (
+                "execution_interrupted",
+                "execution_success",
+                "execution_error",
+            ):
+                break
+    finally:
+        ws.close()
+    assert messages[-1]["type"] == "execution_interrupted", messages[-1]
+    saved = list_checkpoints(loras(server) / "kt_e2e_cancel_checkpoints")
+    assert len(saved) == 1 and load_checkpoint(saved[0]).step >= interrupted_at
+    assert progress_events(messages)[-1]["status"] == "cancelled"
+    assert not (loras(server) / "kt_e2e_cancel.safetensors").exists()
+    _, after = server.run_prompt(training_graph(dataset, "kt_e2e_after_cancel", steps=2))
+    assert after[-1]["type"] == "execution_success", after[-1]
+
+
+def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(server, dataset):
+    _, messages = server.run_prompt(
+        training_graph(dataset, "kt_e2e_nan", poison=True, steps=30, save_every=1)
+    )
+    assert messages[-1]["type"] == "execution_error", messages[-1]
+    assert "the loss became nan" in messages[-1]["data"]["exception_message"]
+    for path in list_checkpoints(loras(server) / "kt_e2e_nan_checkpoints"):
+        checkpoint = load_checkpoint(path)
+        assert all(loss == loss for loss in checkpoint.losses)  # no NaN ever saved
+    assert not (loras(server) / "kt_e2e_nan.safetensors").exists()
+
+
+@pytest.mark.parametrize("name", ["../outside", "CON"])
+def test_bad_names_are_refused(server, dataset, name):
+    _, messages = server.run_prompt(training_graph(dataset, name, steps=1))
+    assert messages[-1]["type"] == "execution_error"
+    assert "lora_name" in messages[-1]["data"]["exception_message"]
+
+
+def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
+    """SIGKILL the server the moment a save is under way (a staging folder or temp file
+    exists); the previous LoRA and every checkpoint must still load."""
+    with ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS) as server:
+        data = write_one_folder(server.base_dir / "input" / "set", ["a", "b"], references=1, size=(64, 64))
+        _, first = server.run_prompt(training_graph(data, "kt_atomic", steps=2))
+        assert first[-1]["type"] == "execution_success"
+        lora = loras(server) / "kt_atomic.safetensors"
+        previous = lora.read_bytes()
+        server.post_json(
+            "/prompt",
+            {
+                "prompt": training_graph(
+                    data, "kt_atomic", steps=400, save_every=1, rank=64, alpha=64.0, seed=1
+                )
+            },
+        )
+        checkpoints = loras(server) / "kt_atomic_checkpoints"
+        deadline, caught = time.monotonic() + 240, None
+        while time.monotonic() < deadline and caught is None:
+            for folder in (checkpoints, loras(server)):
+                if folder.is_dir():
+                    caught = next((p for p in folder.iterdir() if p.name.endswith(".partial")), None)
+                    if caught is not None:
+                        server.kill()
+                        break
+        assert caught is not None, "no save was seen in progress"
+    assert lora.read_bytes() == previous
+    assert load(lora)[0]  # still a valid safetensors file
+    for path in list_checkpoints(checkpoints):
+        load_checkpoint(path)  # every visible checkpoint is complete
+
+    with ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS) as server:  # the next run tidies up
+        _, again = server.run_prompt(training_graph(data, "kt_atomic", steps=1))
+        assert again[-1]["type"] == "execution_success"
+    assert not [p for p in checkpoints.iterdir() if p.name.endswith(".partial")]
+    assert not list(loras(server).glob(".*.partial"))

@@ -1,0 +1,115 @@
+"""A test-only custom-node pack, installed only into the e2e tests' ComfyUI (never shipped):
+nodes that build the tiny Flux, the small Flux VAE and the tiny CLIP with ComfyUI's own
+classes, so the product's nodes run unchanged, fast, in a real server. Plus two probes."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+_TESTS = Path(__file__).resolve().parents[1]
+for _path in (_TESTS, _TESTS.parent / "scripts"):
+    if str(_path) not in sys.path:
+        sys.path.insert(0, str(_path))
+
+from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher  # noqa: E402
+
+
+class TinyFluxModel:
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 3, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (tiny_flux_patcher(seed=seed),)
+
+
+class SmallFluxVAE:
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 1, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (small_flux_vae(seed=seed),)
+
+
+class TinyCLIP:
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 2, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (tiny_clip(seed=seed),)
+
+
+class PoisonDataset:
+    """Replaces one training sample's target latent with NaN (a broken image's effect)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("KONTEXT_DATASET",)
+    FUNCTION = "poison"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"dataset": ("KONTEXT_DATASET",), "index": ("INT", {"default": 1, "min": 0})}}
+
+    def poison(self, dataset, index):
+        entries = list(dataset.entries)
+        latent = dataset.cache.load("latents", entries[index].target_key)["latent"]
+        key = "0" * 63 + "f"
+        dataset.cache.put("latents", key, {"latent": torch.full_like(latent, float("nan"))})
+        entries[index] = dataclasses.replace(entries[index], target_key=key)
+        return (dataclasses.replace(dataset, entries=entries),)
+
+
+class ModelDifference:
+    """Max |difference| of two MODELs' outputs on a fixed input, shown as UI output."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "compare"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model_a": ("MODEL",), "model_b": ("MODEL",)}}
+
+    def compare(self, model_a, model_b):
+        import comfy.model_management
+
+        gen = torch.Generator().manual_seed(0)
+        x = torch.randn(1, 16, 8, 8, generator=gen)
+        cond = {
+            "c_crossattn": torch.randn(1, 77, 48, generator=gen),
+            "y": torch.randn(1, 48, generator=gen),
+            "guidance": torch.tensor([1.0]),
+        }
+        outputs = []
+        for model in (model_a, model_b):
+            comfy.model_management.load_models_gpu([model])
+            outputs.append(model.model.apply_model(x, torch.tensor([0.5]), **cond))
+        return {"ui": {"difference": [float((outputs[0] - outputs[1]).abs().max())]}}
+
+
+NODE_CLASS_MAPPINGS = {
+    "KTTest_TinyFluxModel": TinyFluxModel,
+    "KTTest_SmallFluxVAE": SmallFluxVAE,
+    "KTTest_TinyCLIP": TinyCLIP,
+    "KTTest_PoisonDataset": PoisonDataset,
+    "KTTest_ModelDifference": ModelDifference,
+}
