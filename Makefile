@@ -1,5 +1,5 @@
 # The two commands of the README, and the set-up step both share.
-#   make demo   set up, then run the demo (arrives with the TrainLoRA node)
+#   make demo   set up, then train a LoRA end to end through a headless ComfyUI
 #   make test   set up, then lint and run every test layer
 .PHONY: setup test demo lint
 

@@ -112,7 +112,7 @@ class LoadKontextDataset(io.ComfyNode):
                 io.Int.Input(
                     "resolution",
                     default=1024,
-                    min=256,
+                    min=128,
                     max=2048,
                     step=64,
                     tooltip="Targets are scaled to about this many pixels squared, aspect kept, sides "
@@ -148,7 +148,12 @@ class LoadKontextDataset(io.ComfyNode):
                     tooltip="Samples kept out of training for validation.",
                 ),
                 io.Int.Input(
-                    "seed", default=0, min=0, max=2**31 - 1, tooltip="Chooses the held-out samples."
+                    "seed",
+                    default=0,
+                    min=0,
+                    max=2**31 - 1,
+                    control_after_generate=False,  # a dataset split must not change between runs
+                    tooltip="Chooses the held-out samples.",
                 ),
                 io.String.Input(
                     "cache_folder",

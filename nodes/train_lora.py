@@ -34,7 +34,7 @@ def config_widget(config_field: dataclasses.Field):
         return io.Combo.Input(name, options=list(meta["options"]), default=default, tooltip=tooltip)
     if isinstance(default, bool):
         return io.Boolean.Input(name, default=default, tooltip=tooltip)
-    limits = {k: meta[k] for k in ("min", "max", "step") if k in meta}
+    limits = {k: meta[k] for k in ("min", "max", "step", "control_after_generate") if k in meta}
     if isinstance(default, int):
         return io.Int.Input(name, default=default, tooltip=tooltip, **limits)
     return io.Float.Input(name, default=default, tooltip=tooltip, **limits)
@@ -157,4 +157,5 @@ class TrainLoRA(io.ComfyNode):
         if outcome.cancelled:  # stopped without a Cancel in this prompt (e.g. server shutdown)
             raise comfy.model_management.InterruptProcessingException()
         trained, _ = comfy.sd.load_lora_for_models(model, None, outcome.lora_state, 1.0, 0)
-        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses})
+        ui = {"lora_name": [paths.lora.name], "loss": outcome.losses}  # in /history, for scripts and the UI
+        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, ui=ui)

@@ -86,6 +86,7 @@ class TrainConfig:
         "Seeds LoRA init, data order, noise, timesteps and dropout: same seed, same run.",
         min=0,
         max=2**31 - 1,
+        control_after_generate=False,  # never randomised by the UI: runs must be repeatable
     )
     save_every: int = knob(
         0, "Write a resumable checkpoint every N steps (0: only when cancelled).", min=0, max=1_000_000

@@ -56,6 +56,13 @@ def comfy_page(chromium, server):
         "() => window.comfyAPI?.app?.app?.extensions?.some(e => e.name === 'KontextTrainer.About')",
         timeout=60_000,
     )
+    # Node definitions are registered a moment later: wait until every node type is known.
+    node_types = sorted(server.get_json("/object_info"))
+    page.wait_for_function(
+        "(types) => types.every(t => window.LiteGraph?.registered_node_types?.[t])",
+        arg=node_types,
+        timeout=60_000,
+    )
     page.page_errors = errors
     yield page
     page.close()

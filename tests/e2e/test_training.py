@@ -193,3 +193,29 @@ def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
         assert again[-1]["type"] == "execution_success"
     assert not [p for p in checkpoints.iterdir() if p.name.endswith(".partial")]
     assert not list(loras(server).glob(".*.partial"))
+
+
+@pytest.mark.slow
+def test_the_demo_workflow_trains_on_the_stock_loaders(server):
+    """example_workflows/api/kontext_lora_training.json (what `make demo` queues), on the
+    stock-loadable demo Flux / VAE / CLIP-L and the demo dataset, cut to two steps."""
+    import demo_assets
+    import demo_dataset
+    from kt_testing.paths import REPO_ROOT, asset_cache_dir
+
+    demo_assets.link_into_models(demo_assets.ensure_assets(asset_cache_dir()), server.base_dir / "models")
+    demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
+    workflow = json.loads(
+        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
+    )
+    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name="kt_e2e_demo_workflow")
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    result = server.history(prompt_id)["outputs"]["5"]
+    assert result["lora_name"] == ["kt_e2e_demo_workflow.safetensors"] and len(result["loss"]) == 2
+    tensors, metadata = load(loras(server) / "kt_e2e_demo_workflow.safetensors")
+    assert (
+        metadata["ss_base_model_version"] == "flux1_kontext"
+        and metadata["kontext_trainer.layout"] == "offset"
+    )
+    assert any(key.startswith("diffusion_model.double_blocks.0.img_attn.qkv") for key in tensors)

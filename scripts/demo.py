@@ -1,0 +1,105 @@
+"""The demo: train a Kontext LoRA end to end through a real, headless ComfyUI.
+
+1. generates (once, cached) the stock-loadable random-weight Flux, its VAE and a CLIP-L
+   (`demo_assets`) and a small synthetic edit dataset (`demo_dataset`: shapes and their
+   blue-recoloured edits, with captions), in `.cache/`;
+2. starts ComfyUI (`main.py --cpu`) with the pack, on a free local port, base directory
+   `.cache/demo/`;
+3. queues `example_workflows/api/kontext_lora_training.json` over the HTTP API (stock
+   UNETLoader / VAELoader / CLIPLoader -> LoadKontextDataset -> TrainLoRA) and prints the live
+   progress the websocket carries;
+4. prints where the LoRA landed in models/loras and the loss at the start and the end.
+
+Rerunning reuses the models, the dataset and the encoded-latent cache; only training reruns.
+Run it with `make demo` (which sets everything up first).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from comfy_server import REPO_ROOT, ComfyServer, asset_cache_dir, make_base_directory
+from demo_assets import ensure_assets, link_into_models
+from demo_dataset import write_demo_dataset
+
+WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
+DEMO_BASE = REPO_ROOT / ".cache" / "demo"
+PROGRESS_EVENT = "kontext_trainer.progress"
+TIMEOUT_SECONDS = 15 * 60
+
+
+def say(message: str) -> None:
+    print(f"[demo] {message}", flush=True)
+
+
+def describe(event: dict) -> str:
+    eta = event.get("eta_seconds")
+    parts = [f"{event['status']:9s} step {event['step']:3d}/{event['total']}"]
+    if event.get("loss") is not None:
+        parts.append(f"loss {event['loss']:.4f} (smoothed {event['smoothed_loss']:.4f})")
+    if event.get("seconds_per_step"):
+        parts.append(f"{event['seconds_per_step']:.1f} s/step, ETA {eta:.0f} s")
+    return "  ".join(parts)
+
+
+def run(server: ComfyServer, workflow: dict) -> tuple[str, str]:
+    """Queue `workflow`, print its progress; returns (how it ended, prompt id)."""
+    ws, client_id = server.websocket()
+    ws.settimeout(600)
+    try:
+        prompt_id = server.post_json("/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
+        deadline = time.monotonic() + TIMEOUT_SECONDS
+        while time.monotonic() < deadline:
+            raw = ws.recv()
+            if not isinstance(raw, str):
+                continue
+            message = json.loads(raw)
+            kind, data = message["type"], message.get("data", {})
+            if kind == PROGRESS_EVENT:
+                say(describe(data))
+            elif kind == "executing" and data.get("node") is not None:
+                node = workflow[data["node"]]["class_type"]
+                say(f"running {node}")
+            elif data.get("prompt_id") == prompt_id and kind == "execution_error":
+                raise SystemExit(
+                    f"[demo] the workflow failed in {data['node_type']}: {data['exception_message']}"
+                )
+            elif data.get("prompt_id") == prompt_id and kind in (
+                "execution_success",
+                "execution_interrupted",
+            ):
+                return kind, prompt_id
+        raise SystemExit(f"[demo] no result after {TIMEOUT_SECONDS} s; see {server.log_path}")
+    finally:
+        ws.close()
+
+
+def main() -> int:
+    started = time.monotonic()
+    say("preparing the random-weight Flux, VAE and CLIP-L (generated once, cached in .cache/assets)")
+    assets = ensure_assets(asset_cache_dir())
+    base = make_base_directory(DEMO_BASE)
+    link_into_models(assets, base / "models")
+    dataset = write_demo_dataset(base / "input" / "kontext_demo")
+    say(f"dataset: {len(list(dataset.glob('*_control.png')))} edit pairs in {dataset}")
+    workflow = json.loads(WORKFLOW.read_text())
+    with ComfyServer(base) as server:
+        say(f"ComfyUI is up at {server.url} (log: {server.log_path})")
+        say(f"queueing {WORKFLOW.relative_to(REPO_ROOT)}")
+        outcome, prompt_id = run(server, workflow)
+        if outcome != "execution_success":
+            say(f"the run ended with {outcome}")
+            return 1
+        result = server.history(prompt_id)["outputs"]["5"]  # TrainLoRA's UI output
+    lora_name, losses = result["lora_name"][0], result["loss"]
+    lora = base / "models" / "loras" / lora_name
+    say(f"LoRA saved: {lora}")
+    say(f"loss at the start {losses[0]:.4f}, at the end {losses[-1]:.4f} ({len(losses)} steps)")
+    say(f"done in {time.monotonic() - started:.0f} s; load it with LoraLoaderModelOnly as '{lora_name}'")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
