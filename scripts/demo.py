@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from comfy_server import REPO_ROOT, ComfyServer, asset_cache_dir, make_base_directory
+from comfy_server import REPO_ROOT, ComfyServer, asset_cache_dir, comfyui_root, make_base_directory
 from demo_assets import ensure_assets, link_into_models
 from demo_dataset import write_demo_dataset
 
@@ -76,10 +76,21 @@ def run(server: ComfyServer, workflow: dict) -> tuple[str, str]:
         ws.close()
 
 
+def prepare_assets() -> dict:
+    """The demo model files, generated with ComfyUI's own classes on the first run."""
+    import torch
+
+    sys.path.insert(0, str(comfyui_root()))
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.cpu = comfy_args.cpu or not torch.cuda.is_available()
+    return ensure_assets(asset_cache_dir())
+
+
 def main() -> int:
     started = time.monotonic()
     say("preparing the random-weight Flux, VAE and CLIP-L (generated once, cached in .cache/assets)")
-    assets = ensure_assets(asset_cache_dir())
+    assets = prepare_assets()
     base = make_base_directory(DEMO_BASE)
     link_into_models(assets, base / "models")
     dataset = write_demo_dataset(base / "input" / "kontext_demo")
