@@ -8,6 +8,7 @@ folder `models/loras/<name>_checkpoints/step_NNNNNN/`, the newest `keep_last` ke
 from __future__ import annotations
 
 import dataclasses
+import logging
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,10 +20,12 @@ from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
 from ..trainer_core.names import SUFFIX
+from ..trainer_core.vram import Estimate, FluxShape, estimate_vram
 from .flux_training import flux_lora_session
 from .training_job import ProgressTracker, TrainingJob
 
 # Must match between a checkpoint and the run resuming it (they shape the LoRA or its ids).
+LOGGER = logging.getLogger("kontext_trainer")
 RESUME_MUST_MATCH = ("rank", "alpha", "targets", "layout", "seed", "batch_size", "gradient_accumulation")
 
 
@@ -64,6 +67,21 @@ def check_resume(checkpoint: Checkpoint, config: TrainConfig) -> None:
 
 def base_model_name(dataset: KontextDataset) -> str:
     return "flux1_kontext" if dataset.reference_count else "flux1_dev"
+
+
+def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estimate:
+    """The estimate for this model, dataset and config (shown before training starts)."""
+    flux = model.model.diffusion_model
+    itemsize = flux.double_blocks[0].img_attn.qkv.weight.element_size()
+    return estimate_vram(
+        FluxShape.of(flux.params),
+        resolution=dataset.settings.resolution,
+        references=dataset.reference_count,
+        batch=config.batch_size,
+        rank=config.rank,
+        weight_format={1: "fp8", 2: "bf16"}.get(itemsize, "fp32"),
+        gradient_checkpointing=config.gradient_checkpointing,
+    )
 
 
 def _rng_state(generator: torch.Generator) -> dict[str, torch.Tensor]:
@@ -116,7 +134,9 @@ def run_training(
     )
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     tracker = ProgressTracker(config.steps, resume.step if resume else 0)
-    job.report(tracker.progress)
+    estimate = vram_estimate(model, dataset, config)
+    LOGGER.info("TrainLoRA %s: %s", paths.stem, estimate)
+    job.report(tracker.progress, message=f"estimated VRAM {estimate}")
 
     with flux_lora_session(model, config, resume.lora if resume else None, empty_text) as session:
         resume_state = None

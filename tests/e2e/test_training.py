@@ -84,6 +84,7 @@ def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
     assert steps == sorted(steps) and len(set(steps)) >= 2  # live: several steps reported
     assert all(set(e) >= {"loss", "smoothed_loss", "lr", "eta_seconds", "node", "prompt_id"} for e in events)
     assert events[-1]["node"] == "5" and events[-1]["prompt_id"] == prompt_id
+    assert any(e["message"].startswith("estimated VRAM ~") for e in events)  # shown before training
     assert any(m["type"] == "progress" and m["data"]["node"] == "5" for m in messages)  # ComfyUI's own bar
     outputs = server.history(prompt_id)["outputs"]
     assert (loras(server) / "kt_e2e_events.safetensors").is_file()

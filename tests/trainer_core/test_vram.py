@@ -1,0 +1,87 @@
+"""The VRAM estimate against hand-computed sizes and the published fp8 ladder for FLUX.1
+LoRA training at 1024 px (sd-scripts: 24 GB batch 2 without swap; 12 / 10 / 8 GB with 16 / 22
+/ 28 of its swap units, one unit being a double block or two single blocks; and "> 26 GB"
+without fp8)."""
+
+from __future__ import annotations
+
+import pytest
+
+from trainer_core.vram import (
+    GIB,
+    FluxShape,
+    estimate_vram,
+    max_blocks_to_swap,
+    suggest_blocks_to_swap,
+    swap_split,
+)
+
+FLUX = FluxShape()
+
+
+def test_block_sizes_by_hand():
+    h, m = 3072, 12288
+    # per stream: modulation h->6h, qkv h->3h, proj h->h, mlp h->m->h; weights plus biases
+    stream = (h * 6 * h + 6 * h) + (h * 3 * h + 3 * h) + (h * h + h) + (h * m + m) + (m * h + h)
+    assert FLUX.double_block_weights() == 2 * stream
+    # linear1 h->3h+m, linear2 h+m->h, modulation h->3h
+    assert FLUX.single_block_weights() == (h * (3 * h + m) + 3 * h + m) + ((h + m) * h + h) + (
+        h * 3 * h + 3 * h
+    )
+    total = 19 * FLUX.double_block_weights() + 38 * FLUX.single_block_weights() + FLUX.other_weights()
+    assert total == pytest.approx(11.9e9, rel=0.01)  # FLUX.1 dev's published size
+
+
+def test_single_blocks_are_swapped_first():
+    assert swap_split(10, FLUX) == (10, 0)
+    assert swap_split(40, FLUX) == (38, 2)
+    assert swap_split(1000, FLUX) == (38, 19)
+    assert max_blocks_to_swap(FLUX) == 57
+
+
+def ladder_bytes(units: int) -> int:
+    """Bytes the ladder's setting moves off the GPU (sd-scripts units)."""
+    doubles = units // 2
+    singles = (units - doubles) * 2
+    return doubles * FLUX.double_block_weights() + singles * FLUX.single_block_weights()
+
+
+def swapped_bytes(blocks: int) -> int:
+    singles, doubles = swap_split(blocks, FLUX)
+    return singles * FLUX.single_block_weights() + doubles * FLUX.double_block_weights()
+
+
+def test_24_gb_trains_batch_2_without_swap_in_fp8_but_not_in_bf16():
+    assert suggest_blocks_to_swap(24, batch=2, resolution=1024) == 0
+    assert estimate_vram(weight_format="bf16", resolution=1024).total > 24  # "> 26 GB" without fp8
+
+
+@pytest.mark.parametrize(("budget", "ladder_units"), [(12, 16), (10, 22), (8, 28)])
+def test_suggestions_match_the_ladder(budget, ladder_units):
+    suggested = suggest_blocks_to_swap(budget, resolution=1024, batch=1)
+    assert suggested is not None
+    # our suggestion moves about as many bytes off the GPU as the ladder's setting
+    assert abs(swapped_bytes(suggested) - ladder_bytes(ladder_units)) / GIB <= 0.75
+    # one block fewer would not fit: the suggestion is the smallest
+    assert estimate_vram(resolution=1024, blocks_to_swap=suggested - 1).total > budget
+
+
+def test_more_swap_less_memory_more_pixels_more_memory():
+    totals = [estimate_vram(blocks_to_swap=n).total for n in range(0, 58, 4)]
+    assert totals == sorted(totals, reverse=True)
+    assert estimate_vram(resolution=1024, references=2).total > estimate_vram(resolution=1024).total
+    assert estimate_vram(gradient_checkpointing=False).total > estimate_vram().total + 10
+
+
+def test_impossible_budget_and_bad_format():
+    assert suggest_blocks_to_swap(2.0) is None
+    with pytest.raises(ValueError, match="weight format 'int4'"):
+        estimate_vram(weight_format="int4")
+
+
+def test_shape_from_comfyui_params():
+    class Params:
+        hidden_size, mlp_ratio, depth, depth_single_blocks = 3072, 4.0, 19, 38
+        in_channels, patch_size, context_in_dim, vec_in_dim = 16, 2, 4096, 768
+
+    assert FluxShape.of(Params) == FLUX

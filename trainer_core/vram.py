@@ -1,0 +1,156 @@
+"""Peak-VRAM estimate for Flux LoRA training, and the smallest block swap that fits a budget.
+
+peak = resident transformer weights (all blocks minus the swapped ones, plus two swap slots
+       in flight) + LoRA state (fp32 weight, gradient, two AdamW moments)
+       + activations (with gradient checkpointing: every block's input, plus one block's
+       working set during recompute; without: every block's working set)
+       + a fixed overhead (CUDA context, allocator slack, the model's small layers' buffers).
+
+Block swap moves single blocks first, then double blocks (a single block is about 0.42 of a
+double block). The two per-token constants and the overhead are calibrated on the published
+fp8 ladder for FLUX.1 LoRA training at 1024 px (sd-scripts: 24 GB batch 2 with no swap;
+12 GB with 16, 10 GB with 22, 8 GB with 28 of its swap units, where one unit is one double
+block or two single blocks); `tests/trainer_core/test_vram.py` checks the estimate against it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+GIB = 2**30
+WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_scaled": 1.0 + 1 / 3072}  # per weight
+BLOCK_INPUT_BYTES = 2.0  # a checkpointed block keeps its bf16 input: bytes per token per channel
+BLOCK_WORKING_BYTES = 28.0  # one block's forward+backward working set, per token per channel
+OVERHEAD_GIB = 1.6  # CUDA context, allocator slack, small layers, the optimizer step's temporaries
+T5_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class FluxShape:
+    hidden: int = 3072
+    mlp_ratio: float = 4.0
+    double_blocks: int = 19
+    single_blocks: int = 38
+    patch_channels: int = 64  # 16 latent channels x 2 x 2 patches
+    context_dim: int = 4096  # T5-XXL
+    vec_dim: int = 768  # CLIP-L pooled
+
+    @classmethod
+    def of(cls, params) -> FluxShape:
+        """From ComfyUI's `FluxParams` (`diffusion_model.params`) or anything with its fields."""
+        return cls(
+            hidden=params.hidden_size,
+            mlp_ratio=params.mlp_ratio,
+            double_blocks=params.depth,
+            single_blocks=params.depth_single_blocks,
+            patch_channels=params.in_channels * params.patch_size**2,
+            context_dim=params.context_in_dim,
+            vec_dim=params.vec_in_dim,
+        )
+
+    @property
+    def mlp(self) -> int:
+        return int(self.hidden * self.mlp_ratio)
+
+    def double_block_linears(self) -> list[tuple[int, int]]:
+        """(in, out) of every Linear in a double block (image and text streams)."""
+        h = self.hidden
+        stream = [(h, 6 * h), (h, 3 * h), (h, h), (h, self.mlp), (self.mlp, h)]
+        return stream + stream
+
+    def single_block_linears(self) -> list[tuple[int, int]]:
+        h = self.hidden
+        return [(h, 3 * h + self.mlp), (h + self.mlp, h), (h, 3 * h)]
+
+    def double_block_weights(self) -> int:
+        return sum(i * o + o for i, o in self.double_block_linears())
+
+    def single_block_weights(self) -> int:
+        return sum(i * o + o for i, o in self.single_block_linears())
+
+    def other_weights(self) -> int:
+        """Embedders and the final layer (never swapped)."""
+        h = self.hidden
+        pairs = [(self.patch_channels, h), (self.context_dim, h), (256, h), (h, h), (self.vec_dim, h), (h, h)]
+        pairs += [(256, h), (h, h), (h, 2 * h), (h, self.patch_channels)]  # guidance, final
+        return sum(i * o + o for i, o in pairs)
+
+
+def swap_split(blocks_to_swap: int, shape: FluxShape) -> tuple[int, int]:
+    """(single, double) blocks swapped for `blocks_to_swap`: single blocks first."""
+    if blocks_to_swap < 0:
+        raise ValueError("blocks_to_swap cannot be negative")
+    singles = min(blocks_to_swap, shape.single_blocks)
+    doubles = min(blocks_to_swap - singles, shape.double_blocks)
+    return singles, doubles
+
+
+def max_blocks_to_swap(shape: FluxShape) -> int:
+    return shape.single_blocks + shape.double_blocks
+
+
+@dataclass(frozen=True)
+class Estimate:
+    weights: float  # GiB
+    lora: float
+    activations: float
+    overhead: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.lora + self.activations + self.overhead
+
+    def __str__(self) -> str:
+        return (
+            f"~{self.total:.1f} GiB peak (weights {self.weights:.1f}, LoRA + optimizer {self.lora:.2f}, "
+            f"activations {self.activations:.1f}, overhead {self.overhead:.1f})"
+        )
+
+
+def image_tokens(resolution: int, references: int) -> int:
+    return (resolution // 16) ** 2 * (1 + references)
+
+
+def estimate_vram(
+    shape: FluxShape = FluxShape(),
+    resolution: int = 1024,
+    references: int = 0,
+    batch: int = 1,
+    rank: int = 16,
+    weight_format: str = "fp8",
+    blocks_to_swap: int = 0,
+    gradient_checkpointing: bool = True,
+    text_tokens: int = T5_TOKENS,
+) -> Estimate:
+    if weight_format not in WEIGHT_BYTES:
+        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    per_weight = WEIGHT_BYTES[weight_format]
+    singles, doubles = swap_split(blocks_to_swap, shape)
+    resident_blocks = (shape.double_blocks - doubles) * shape.double_block_weights()
+    resident_blocks += (shape.single_blocks - singles) * shape.single_block_weights()
+    in_flight = 0
+    if singles or doubles:  # two swap slots: the block computing and the one being prefetched
+        in_flight = 2 * (shape.double_block_weights() if doubles else shape.single_block_weights())
+    weights = (resident_blocks + in_flight + shape.other_weights()) * per_weight
+    # LoRA on every block linear: fp32 weight + gradient + two AdamW moments = 16 bytes per value
+    lora_values = rank * (
+        shape.double_blocks * sum(i + o for i, o in shape.double_block_linears())
+        + shape.single_blocks * sum(i + o for i, o in shape.single_block_linears())
+    )
+    lora = 16.0 * lora_values
+    tokens = batch * (image_tokens(resolution, references) + text_tokens)
+    blocks = shape.double_blocks + shape.single_blocks
+    per_block = tokens * shape.hidden
+    if gradient_checkpointing:
+        activations = blocks * per_block * BLOCK_INPUT_BYTES + per_block * BLOCK_WORKING_BYTES
+    else:
+        activations = blocks * per_block * BLOCK_WORKING_BYTES
+    return Estimate(weights / GIB, lora / GIB, activations / GIB, OVERHEAD_GIB)
+
+
+def suggest_blocks_to_swap(budget_gib: float, shape: FluxShape = FluxShape(), **settings) -> int | None:
+    """The smallest blocks_to_swap whose estimate fits `budget_gib`; None if nothing does."""
+    for blocks in range(max_blocks_to_swap(shape) + 1):
+        if estimate_vram(shape, blocks_to_swap=blocks, **settings).total <= budget_gib:
+            return blocks
+    return None
