@@ -20,7 +20,7 @@ from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
 from ..trainer_core.names import SUFFIX
-from ..trainer_core.vram import Estimate, FluxShape, estimate_vram
+from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import flux_lora_session
 from .training_job import ProgressTracker, TrainingJob
 
@@ -135,7 +135,10 @@ def run_training(
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     tracker = ProgressTracker(config.steps, resume.step if resume else 0)
     estimate = vram_estimate(model, dataset, config)
-    LOGGER.info("TrainLoRA %s: %s", paths.stem, estimate)
+    weights = module_weight_bytes(model.model.diffusion_model)
+    LOGGER.info(
+        "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
+    )
     job.report(tracker.progress, message=f"estimated VRAM {estimate}")
 
     with flux_lora_session(model, config, resume.lora if resume else None, empty_text) as session:

@@ -76,6 +76,12 @@ class FluxShape:
         return sum(i * o + o for i, o in pairs)
 
 
+def module_weight_bytes(module) -> int:
+    """Bytes of a module's parameters and buffers as they are stored (fp8 counts 1 byte)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def swap_split(blocks_to_swap: int, shape: FluxShape) -> tuple[int, int]:
     """(single, double) blocks swapped for `blocks_to_swap`: single blocks first."""
     if blocks_to_swap < 0:

@@ -56,23 +56,35 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     return module
 
 
-def build_flux_model(unet_config: dict, seed: int, dtype: torch.dtype = torch.float32):
-    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`."""
+def build_flux_model(
+    unet_config: dict,
+    seed: int,
+    dtype: torch.dtype = torch.float32,
+    manual_cast_dtype: torch.dtype | None = None,
+):
+    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`. With
+    `manual_cast_dtype`, weights are stored in `dtype` and computed in that one, as the stock
+    UNETLoader does for weight_dtype fp8."""
     import comfy.supported_models
 
     model_config = comfy.supported_models.Flux(dict(unet_config))
-    model_config.set_inference_dtype(dtype, None)
+    model_config.set_inference_dtype(dtype, manual_cast_dtype)
     model = model_config.get_model({})
     seeded_init_(model.diffusion_model, seed)
     return model.eval()
 
 
-def tiny_flux_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+def tiny_flux_patcher(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    manual_cast_dtype: torch.dtype | None = None,
+    **overrides,
+):
     """A MODEL (ModelPatcher) around a tiny Flux, as a stock loader would hand it over."""
     import comfy.model_management
     import comfy.model_patcher
 
-    model = build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype)
+    model = build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype, manual_cast_dtype)
     return comfy.model_patcher.ModelPatcher(
         model,
         load_device=comfy.model_management.get_torch_device(),
