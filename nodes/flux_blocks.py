@@ -91,18 +91,32 @@ def _run(function, checkpointing, *args):
     return function(*args)
 
 
-class DoubleBlockReplacement:
-    """A `patches_replace["dit"][("double_block", i)]` entry running `double_block_forward`."""
+class _Swapped:
+    """Calls the block swapper (if any) around a block's forward: inside the checkpointed
+    function, so the recomputation in backward is scheduled too."""
 
-    def __init__(self, block, checkpointing: bool):
-        self.block, self.checkpointing = block, checkpointing
+    def __init__(self, block, checkpointing: bool, index: int, swapper=None):
+        self.block, self.checkpointing, self.index, self.swapper = block, checkpointing, index, swapper
+
+    def _around(self, forward, *args):
+        if self.swapper is None:
+            return forward(*args)
+        self.swapper.before(self.index)
+        try:
+            return forward(*args)
+        finally:
+            self.swapper.after(self.index)
+
+
+class DoubleBlockReplacement(_Swapped):
+    """A `patches_replace["dit"][("double_block", i)]` entry running `double_block_forward`."""
 
     def __call__(self, args, extra):
         # forward_orig keeps writing block_index into its options: freeze a copy for recompute.
         options = dict(args.get("transformer_options") or {})
 
         def run(img, txt, vec, pe, attn_mask):
-            return double_block_forward(self.block, img, txt, vec, pe, attn_mask, options)
+            return self._around(double_block_forward, self.block, img, txt, vec, pe, attn_mask, options)
 
         img, txt = _run(
             run, self.checkpointing, args["img"], args["txt"], args["vec"], args["pe"], args.get("attn_mask")
@@ -110,32 +124,29 @@ class DoubleBlockReplacement:
         return {"img": img, "txt": txt}
 
 
-class SingleBlockReplacement:
+class SingleBlockReplacement(_Swapped):
     """A `patches_replace["dit"][("single_block", i)]` entry running `single_block_forward`."""
-
-    def __init__(self, block, checkpointing: bool):
-        self.block, self.checkpointing = block, checkpointing
 
     def __call__(self, args, extra):
         options = dict(args.get("transformer_options") or {})
 
         def run(img, vec, pe, attn_mask):
-            return single_block_forward(self.block, img, vec, pe, attn_mask, options)
+            return self._around(single_block_forward, self.block, img, vec, pe, attn_mask, options)
 
         return {
             "img": _run(run, self.checkpointing, args["img"], args["vec"], args["pe"], args.get("attn_mask"))
         }
 
 
-def install_trainable_blocks(patcher, checkpointing: bool) -> None:
+def install_trainable_blocks(patcher, checkpointing: bool, swapper=None) -> None:
     """Register the out-of-place forwards for every block of `patcher` (a clone; the patch
-    lives in its model_options only)."""
+    lives in its model_options only). Blocks are numbered in execution order (double blocks,
+    then single blocks) for the optional `trainer_core.block_swap.BlockSwapper`."""
     diffusion_model = patcher.model.diffusion_model
+    doubles = len(diffusion_model.double_blocks)
     for i, block in enumerate(diffusion_model.double_blocks):
-        patcher.set_model_patch_replace(
-            DoubleBlockReplacement(block, checkpointing), "dit", "double_block", i
-        )
+        replacement = DoubleBlockReplacement(block, checkpointing, i, swapper)
+        patcher.set_model_patch_replace(replacement, "dit", "double_block", i)
     for i, block in enumerate(diffusion_model.single_blocks):
-        patcher.set_model_patch_replace(
-            SingleBlockReplacement(block, checkpointing), "dit", "single_block", i
-        )
+        replacement = SingleBlockReplacement(block, checkpointing, doubles + i, swapper)
+        patcher.set_model_patch_replace(replacement, "dit", "single_block", i)

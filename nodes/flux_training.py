@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..trainer_core import lora_file
+from ..trainer_core.block_swap import BlockSwapper, choose_swapped
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
 from ..trainer_core.lora_adapters import AttachedLora, attach_lora
@@ -52,6 +53,7 @@ class FluxLoraSession:
     lora: AttachedLora
     config: TrainConfig
     empty_text: EmptyText | None = None
+    swapper: BlockSwapper | None = None
 
     @property
     def diffusion_model(self):
@@ -165,6 +167,23 @@ def make_autograd_safe_(module: torch.nn.Module) -> int:
     return len(replaced)
 
 
+def block_swapper(patcher, blocks_to_swap: int, poison: bool = False) -> BlockSwapper:
+    """Swap `blocks_to_swap` blocks (single blocks first) between the patcher's load device
+    and its offload device (ComfyUI's own pair: GPU and CPU, or CPU and CPU).
+
+    Co-operation with ComfyUI's model management: the clone is loaded the normal way first
+    (`load_models_gpu`, which applies the MODEL's weight patches); the swapper then moves the
+    swapped blocks' frozen weights to the offload device and, when training ends, brings
+    them back, so ComfyUI finds the model as it loaded it. While training, ComfyUI's
+    accounting still counts those weights as on the GPU: it over-estimates our use, the safe
+    side. (Partial "lowvram" loads keep some weights on the CPU and cast them per layer;
+    those layers simply run as ComfyUI loaded them.) `poison` is for tests (see BlockSwapper)."""
+    flux = patcher.model.diffusion_model
+    blocks = [*flux.double_blocks, *flux.single_blocks]
+    swapped = choose_swapped(len(flux.double_blocks), len(flux.single_blocks), blocks_to_swap)
+    return BlockSwapper(blocks, swapped, patcher.load_device, patcher.offload_device, poison=poison)
+
+
 def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
@@ -175,6 +194,7 @@ def flux_lora_session(
     config: TrainConfig,
     initial: Mapping[str, LoraModule] | None = None,
     empty_text: EmptyText | None = None,
+    poison_swapped: bool = False,
 ):
     """Yield a `FluxLoraSession` training a new LoRA (or `initial`) on a clone of `model`.
 
@@ -187,16 +207,22 @@ def flux_lora_session(
     with torch.inference_mode(False), torch.random.fork_rng(devices=_rng_devices()):
         torch.manual_seed(config.seed)
         clone = with_reference_ids(model)
-        install_trainable_blocks(clone, config.gradient_checkpointing)
         comfy.model_management.load_models_gpu([clone])
         diffusion_model = clone.model.diffusion_model
         make_autograd_safe_(diffusion_model)
         names = target_module_names(linear_names(diffusion_model), config.targets)
         lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
+        swapper = None
         was_training = diffusion_model.training
         try:
+            if config.blocks_to_swap:
+                swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
+                swapper.prepare()
+            install_trainable_blocks(clone, config.gradient_checkpointing, swapper)
             diffusion_model.train(config.dropout > 0)
-            yield FluxLoraSession(clone, lora, config, empty_text)
+            yield FluxLoraSession(clone, lora, config, empty_text, swapper)
         finally:
             diffusion_model.train(was_training)
+            if swapper is not None:
+                swapper.restore()
             lora.detach()

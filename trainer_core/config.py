@@ -81,6 +81,13 @@ class TrainConfig:
     gradient_checkpointing: bool = knob(
         True, "Recompute block activations in backward: much less memory, about a third slower."
     )
+    blocks_to_swap: int = knob(
+        0,
+        "Blocks whose weights wait in CPU memory and visit the GPU only while they run (single "
+        "blocks first, then double blocks): much less VRAM, some speed. Needs gradient checkpointing.",
+        min=0,
+        max=200,
+    )
     seed: int = knob(
         0,
         "Seeds LoRA init, data order, noise, timesteps and dropout: same seed, same run.",
@@ -102,6 +109,11 @@ class TrainConfig:
             raise ValueError("batch_size and gradient_accumulation must be at least 1")
         if self.warmup_steps < 0 or self.save_every < 0 or self.keep_last < 0:
             raise ValueError("warmup_steps, save_every and keep_last cannot be negative")
+        if self.blocks_to_swap and not self.gradient_checkpointing:
+            raise ValueError(
+                "blocks_to_swap needs gradient_checkpointing on (otherwise every block's weights "
+                "stay referenced until backward and nothing would be saved)"
+            )
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:

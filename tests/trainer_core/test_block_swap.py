@@ -1,0 +1,98 @@
+"""The block-swap scheduler on CPU: which blocks, when they move, how many are resident."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer_core.block_swap import BlockSwapper, choose_swapped
+
+
+def test_single_blocks_are_chosen_first_from_the_end():
+    # execution order: doubles 0, 1 then singles 2, 3, 4
+    assert choose_swapped(2, 3, 0) == []
+    assert choose_swapped(2, 3, 2) == [3, 4]
+    assert choose_swapped(2, 3, 3) == [2, 3, 4]
+    assert choose_swapped(2, 3, 4) == [1, 2, 3, 4]
+    assert choose_swapped(2, 3, 5) == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="only 5 blocks"):
+        choose_swapped(2, 3, 6)
+
+
+def blocks(count):
+    layers = [torch.nn.Linear(3, 3) for _ in range(count)]
+    for layer in layers:
+        layer.weight.requires_grad_(False)
+        layer.bias.requires_grad_(False)
+    return layers
+
+
+def run_pass(swapper, count, backward):
+    order = range(count - 1, -1, -1) if backward else range(count)
+    for index in order:
+        swapper.before(index, backward=backward)
+        assert index not in swapper.swapped or index in swapper.resident  # present when it runs
+        swapper.after(index, backward=backward)
+
+
+def test_schedule_forward_then_backward():
+    events, peak = [], [0]
+    swapper = BlockSwapper(
+        blocks(6), [2, 3, 5], "cpu", "cpu", on_transfer=lambda kind, i: events.append((kind, i))
+    )
+
+    def track(kind, index):
+        events.append((kind, index))
+        peak[0] = max(peak[0], len(swapper.resident) + (kind == "in"))
+
+    swapper.on_transfer = track
+    swapper.prepare()
+    assert swapper.resident == set()
+    events.clear()
+    run_pass(swapper, 6, backward=False)
+    arrivals = [i for kind, i in events if kind == "in"]
+    assert arrivals == [2, 3, 5]  # ascending, each prefetched before it is needed
+    assert swapper.resident == set()
+    events.clear()
+    run_pass(swapper, 6, backward=True)
+    arrivals = [i for kind, i in events if kind == "in"]
+    assert arrivals == [5, 3, 2]  # descending in backward
+    assert peak[0] <= 2
+    swapper.restore()
+    assert swapper.resident == {2, 3, 5}
+
+
+def test_poison_mode_hides_offloaded_weights():
+    layers = blocks(3)
+    original = layers[1].weight.clone()
+    swapper = BlockSwapper(layers, [1], "cpu", "cpu", poison=True)
+    swapper.prepare()
+    assert torch.isnan(layers[1].weight).all() and not torch.isnan(layers[0].weight).any()
+    swapper.before(1, backward=False)
+    assert torch.equal(layers[1].weight, original)
+    swapper.after(1, backward=False)
+    assert torch.isnan(layers[1].weight).all()
+    swapper.restore()
+    assert torch.equal(layers[1].weight, original)
+
+
+def test_trainable_tensors_never_move():
+    layer = torch.nn.Linear(3, 3)
+    layer.weight.requires_grad_(False)  # bias stays trainable (like a LoRA factor)
+    swapper = BlockSwapper([layer], [0], "cpu", "cpu", poison=True)
+    swapper.prepare()
+    assert torch.isnan(layer.weight).all() and not torch.isnan(layer.bias).any()
+
+
+def test_the_first_swapped_block_is_prefetched_during_earlier_blocks():
+    events = []
+    swapper = BlockSwapper(
+        blocks(4), [2, 3], "cpu", "cpu", on_transfer=lambda kind, i: events.append((kind, i))
+    )
+    swapper.prepare()
+    events.clear()
+    swapper.before(0, backward=False)
+    assert events == [("in", 2)]  # already on its way while block 0 computes
+    swapper.after(0, backward=False)
+    swapper.before(1, backward=False)
+    assert events == [("in", 2)] and swapper.resident == {2}
