@@ -184,6 +184,20 @@ def block_swapper(patcher, blocks_to_swap: int, poison: bool = False) -> BlockSw
     return BlockSwapper(blocks, swapped, patcher.load_device, patcher.offload_device, poison=poison)
 
 
+def _without_pins(patcher, action) -> None:
+    """Run `action` with ComfyUI's pinned (page-locked) host weights unpinned, then pin them
+    again: `make_autograd_safe_` replaces tensors, and a replaced tensor must not stay
+    registered as pinned (ComfyUI's partial "lowvram" loads pin the weights they offload)."""
+    pinned = sorted(getattr(patcher, "pinned", ()))
+    for key in pinned:
+        patcher.unpin_weight(key)
+    try:
+        action()
+    finally:
+        for key in pinned:
+            patcher.pin_weight_to_device(key)
+
+
 def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
@@ -195,6 +209,7 @@ def flux_lora_session(
     initial: Mapping[str, LoraModule] | None = None,
     empty_text: EmptyText | None = None,
     poison_swapped: bool = False,
+    memory_required: int = 0,
 ):
     """Yield a `FluxLoraSession` training a new LoRA (or `initial`) on a clone of `model`.
 
@@ -207,9 +222,9 @@ def flux_lora_session(
     with torch.inference_mode(False), torch.random.fork_rng(devices=_rng_devices()):
         torch.manual_seed(config.seed)
         clone = with_reference_ids(model)
-        comfy.model_management.load_models_gpu([clone])
+        comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
         diffusion_model = clone.model.diffusion_model
-        make_autograd_safe_(diffusion_model)
+        _without_pins(clone, lambda: make_autograd_safe_(diffusion_model))
         names = target_module_names(linear_names(diffusion_model), config.targets)
         lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
         swapper = None

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from comfy_api.latest import io
 
-from ..trainer_core.checkpoint import list_checkpoints, load_checkpoint
+from ..trainer_core.checkpoint import all_checkpoints, load_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.names import lora_stem
 from .extension_ids import node_id
@@ -47,12 +47,12 @@ def loras_dir() -> Path:
 
 
 def resume_choices() -> list[str]:
-    """Every checkpoint under models/loras, as `<name>_checkpoints/step_NNNNNN`."""
+    """Every checkpoint under models/loras, as `<name>_checkpoints/<run>/step_NNNNNN`."""
     root = loras_dir()
     found = []
     if root.is_dir():
         for folder in sorted(root.glob("*_checkpoints")):
-            found += [path.relative_to(root).as_posix() for path in list_checkpoints(folder)]
+            found += [path.relative_to(root).as_posix() for path in all_checkpoints(folder)]
     return [NO_RESUME, *found]
 
 
@@ -141,7 +141,7 @@ class TrainLoRA(io.ComfyNode):
         resume = None
         if (resume_path := resolve_resume(resume_from)) is not None:
             resume = load_checkpoint(resume_path)
-            check_resume(resume, config)
+            check_resume(resume, config, dataset)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)

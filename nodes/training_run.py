@@ -2,12 +2,15 @@
 loop, with checkpoints, the final LoRA file, and a clear outcome for every way it can end.
 
 Files (all atomic): the LoRA at `models/loras/<name>.safetensors`; checkpoints in the sibling
-folder `models/loras/<name>_checkpoints/step_NNNNNN/`, the newest `keep_last` kept.
+folder `models/loras/<name>_checkpoints/<run date-time>/step_NNNNNN/`, one folder per run
+(a resumed run continues in its checkpoint's folder), the newest `keep_last` kept, and the
+final step always saved so a finished run can be continued with more steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import glob
 import logging
 import shutil
 from dataclasses import dataclass, field
@@ -15,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..trainer_core.checkpoint import Checkpoint, prune, save_checkpoint
+from ..trainer_core.checkpoint import Checkpoint, drop_after, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
@@ -26,7 +29,17 @@ from .training_job import ProgressTracker, TrainingJob
 
 # Must match between a checkpoint and the run resuming it (they shape the LoRA or its ids).
 LOGGER = logging.getLogger("kontext_trainer")
-RESUME_MUST_MATCH = ("rank", "alpha", "targets", "layout", "seed", "batch_size", "gradient_accumulation")
+RESUME_MUST_MATCH = (
+    "rank",
+    "alpha",
+    "targets",
+    "layout",
+    "seed",
+    "batch_size",
+    "gradient_accumulation",
+    "optimizer",
+    "dataset_hash",
+)
 
 
 @dataclass(frozen=True)
@@ -51,12 +64,23 @@ class TrainingOutcome:
     checkpoint: Path | None = None
 
 
-def check_resume(checkpoint: Checkpoint, config: TrainConfig) -> None:
+def run_record(config: TrainConfig, dataset: KontextDataset) -> dict:
+    """What a checkpoint remembers of its run (compared on resume)."""
+    return {**dataclasses.asdict(config), "dataset_hash": dataset.content_hash}
+
+
+def check_resume(checkpoint: Checkpoint, config: TrainConfig, dataset: KontextDataset) -> None:
+    current = run_record(config, dataset)
     for name in RESUME_MUST_MATCH:
-        if checkpoint.config.get(name) != getattr(config, name):
+        if checkpoint.config.get(name) != current[name]:
+            if name == "dataset_hash":
+                raise ValueError(
+                    "resume_from: the checkpoint was trained on another dataset (other files, captions, "
+                    "sizes, hold-out or encoders); resume with the dataset it was trained on"
+                )
             raise ValueError(
                 f"resume_from: the checkpoint was trained with {name}={checkpoint.config.get(name)!r} but "
-                f"this run has {name}={getattr(config, name)!r}; set it back to resume"
+                f"this run has {name}={current[name]!r}; set it back to resume"
             )
     if checkpoint.step >= config.steps:
         raise ValueError(
@@ -98,13 +122,17 @@ def _restore_global_rng(rng: dict[str, torch.Tensor]) -> None:
 
 
 def remove_stale_partials(paths: LoraPaths) -> list[Path]:
-    """Temp files and staging folders a crash left behind for this LoRA name (never visible
-    under a real name, but they take space)."""
-    stale = [*paths.loras_dir.glob(f".{paths.lora.name}.*.partial")]
+    """Temp files, staging folders and replaced checkpoints a crash left behind for this LoRA
+    name (never visible under a real name, but they take space)."""
+    stale = [*paths.loras_dir.glob(f".{glob.escape(paths.lora.name)}.*.partial")]
     if paths.checkpoints.is_dir():
-        stale += [p for p in paths.checkpoints.iterdir() if p.name.endswith(".partial")]
+        folders = [paths.checkpoints, *(p for p in paths.checkpoints.iterdir() if p.is_dir())]
+        stale += [p for f in folders for p in f.iterdir() if p.name.endswith((".partial", ".old"))]
     for path in stale:
-        shutil.rmtree(path) if path.is_dir() else path.unlink(missing_ok=True)
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
     return stale
 
 
@@ -128,6 +156,11 @@ def run_training(
         return samples[index]
 
     remove_stale_partials(paths)
+    if resume is not None:  # continue in the checkpoint's run folder, replacing its later steps
+        run_folder = resume.path.parent
+        drop_after(run_folder, resume.step)
+    else:
+        run_folder = new_run_folder(paths.checkpoints)
     order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
     metadata = config.file_metadata(
         config.steps, dataset.settings.resolution, base_model_name(dataset), dataset.content_hash
@@ -141,7 +174,11 @@ def run_training(
     )
     job.report(tracker.progress, message=f"estimated VRAM {estimate}")
 
-    with flux_lora_session(model, config, resume.lora if resume else None, empty_text) as session:
+    # Tell ComfyUI's loader what training needs beside the weights, so it leaves room for it.
+    working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
+    with flux_lora_session(
+        model, config, resume.lora if resume else None, empty_text, memory_required=working_memory
+    ) as session:
         resume_state = None
         if resume is not None:
             _restore_global_rng(resume.rng)  # dropout continues exactly where it stopped
@@ -151,16 +188,16 @@ def run_training(
 
         def save(step: int, result: TrainResult) -> Path:
             path = save_checkpoint(
-                paths.checkpoints,
+                run_folder,
                 step,
                 session.lora.modules(),
                 result.optimizer,
                 _rng_state(result.generator),
                 result.losses,
-                dataclasses.asdict(config),
+                run_record(config, dataset),
                 {**metadata, "ss_steps": str(step)},
             )
-            prune(paths.checkpoints, config.keep_last)
+            prune(run_folder, config.keep_last)
             return path
 
         def on_step(info) -> bool:
@@ -181,15 +218,18 @@ def run_training(
         except NonFiniteLoss as error:
             job.report(status="error", message=str(error))
             raise
-        except torch.OutOfMemoryError:
-            raise RuntimeError(
-                "out of GPU memory while training; try fp8 base weights, block swapping, a smaller "
-                "resolution or batch size, or gradient checkpointing"
+        except torch.OutOfMemoryError as error:
+            # Kept an OutOfMemoryError, so ComfyUI's own out-of-memory handling still runs.
+            raise torch.OutOfMemoryError(
+                "out of GPU memory while training; try fp8 base weights (UNETLoader weight_dtype "
+                "fp8_e4m3fn), blocks_to_swap, a smaller resolution or batch size, or gradient "
+                f"checkpointing ({estimate}; {str(error).splitlines()[0] if str(error) else ''})"
             ) from None
         if result.stopped_early:
             checkpoint = save(result.steps, result)
             job.report(status="cancelled", message=f"stopped at step {result.steps}; checkpoint {checkpoint}")
             return TrainingOutcome(result.losses, cancelled=True, checkpoint=checkpoint)
+        save(config.steps, result)  # the final step too: a finished run can be continued
         state = session.save(
             paths.lora,
             config.steps,

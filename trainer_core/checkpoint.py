@@ -16,6 +16,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -130,6 +131,34 @@ def list_checkpoints(folder: Path) -> list[Path]:
         (int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := STEP_FOLDER.match(p.name))
     ]
     return [p for _, p in sorted(found) if (p / "state.json").is_file()]
+
+
+def new_run_folder(root: Path) -> Path:
+    """A fresh folder for one training run's checkpoints, `root/<date-time>` (never reused, so
+    runs under the same LoRA name never prune each other's checkpoints)."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    candidate, n = Path(root) / stamp, 1
+    while candidate.exists():
+        candidate, n = Path(root) / f"{stamp}-{n}", n + 1
+    candidate.mkdir(parents=True)
+    return candidate
+
+
+def all_checkpoints(root: Path) -> list[Path]:
+    """Every complete checkpoint of every run under `root`, run by run, oldest step first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    runs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
+    return [path for run in runs for path in list_checkpoints(run)]
+
+
+def drop_after(folder: Path, step: int) -> list[Path]:
+    """Delete the checkpoints of `folder` beyond `step` (a resume from `step` replaces them)."""
+    doomed = [p for p in list_checkpoints(folder) if int(STEP_FOLDER.match(p.name).group(1)) > step]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
 
 
 def prune(folder: Path, keep_last: int) -> list[Path]:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .image_files import IMAGE_EXTENSIONS, FileProblem, read_image, upright_size
+from .sizing import MAX_SIDE
 
 CONTROL_NAME = re.compile(r"^(?P<stem>.+)_control(?:_(?P<slot>\d+))?$")
 CONTROL_FOLDER = re.compile(r"^control(?:_(?P<slot>\d+))?$")
@@ -192,6 +193,10 @@ def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetS
                     loaded = read_image(path)
                     width, height = loaded.size
                     notices += loaded.notices
+                if max(width, height) > MAX_SIDE:
+                    problems.append(
+                        f"{path}: {width}x{height} is over the {MAX_SIDE} px cap on a side; downscale it"
+                    )
                 if min(width, height) < min_size:
                     problems.append(
                         f"{path}: {width}x{height} is below the minimum side of {min_size} px; "

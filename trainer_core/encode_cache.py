@@ -64,5 +64,8 @@ class EncodeCache:
         """An entry that must exist (the dataset was built); a clear error if it was deleted."""
         path = self.path(kind, key)
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: a cached encoding is gone; run LoadKontextDataset again")
+            raise FileNotFoundError(
+                f"{path}: a cached encoding is gone (was the cache folder cleared?); change any input of "
+                "LoadKontextDataset or touch a file of the dataset so ComfyUI runs it again and re-encodes"
+            )
         return load(path)[0]

@@ -47,14 +47,14 @@ class EmptyText:
 Predict = Callable[[TokenBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def _stack_text(samples: Sequence[Sample]) -> tuple[torch.Tensor, torch.Tensor]:
-    lengths = {tuple(s.context.shape) for s in samples}
+def _stack_text(texts) -> tuple[torch.Tensor, torch.Tensor]:
+    lengths = sorted({context.shape[0] for context, _ in texts})
     if len(lengths) > 1:
         raise ValueError(
-            f"the captions of one batch were encoded to different shapes {sorted(lengths)}; "
-            "use batch size 1 or one text encoder setting for the whole dataset"
+            f"one batch holds captions encoded to {lengths} tokens; ComfyUI's T5 keeps captions over "
+            "256 tokens longer than the others. Shorten the long captions or use batch_size 1"
         )
-    return torch.stack([s.context for s in samples]), torch.stack([s.pooled for s in samples])
+    return torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
 
 
 def flow_matching_loss(
@@ -80,15 +80,14 @@ def flow_matching_loss(
     mixed, velocity = noisy_input(clean.tokens, noise, sigma.to(device), perturbation, config.ip_noise_gamma)
     noisy_tokens = torch.where(clean.target[..., None], mixed, clean.tokens)
     # 4) text, with the empty prompt swapped in for dropped captions
-    context, pooled = _stack_text(samples)
+    texts = [(s.context, s.pooled) for s in samples]
     drop_draw = torch.rand(batch, generator=generator)
     if config.caption_dropout > 0:
         if empty_text is None:
             raise ValueError("caption dropout needs the cached empty-prompt embedding")
-        drop = caption_dropout_mask(drop_draw, config.caption_dropout).to(context.device)
-        context, pooled = apply_caption_dropout(
-            context, pooled, empty_text.context.to(context), empty_text.pooled.to(pooled), drop
-        )
+        empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
+        texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
+    context, pooled = _stack_text(texts)
     # 5) predict and compare on target tokens only
     prediction = predict(replace(clean, tokens=noisy_tokens), sigma.to(device), context, pooled)
     weights = loss_weights(sigma, config.loss_weighting).to(device)

@@ -23,12 +23,12 @@ from .schedule import lr_multiplier
 
 
 class NonFiniteLoss(RuntimeError):
-    def __init__(self, step: int, value: float):
+    def __init__(self, step: int, value: float, what: str = "loss"):
         self.step, self.value = step, value
         super().__init__(
-            f"the loss became {value} at step {step}; training stopped before the update, so the last "
-            "checkpoint is intact. Lower the learning rate, raise max_grad_norm protection (e.g. 1.0) "
-            "or check the dataset for broken images."
+            f"the {what} became {value} at step {step}; training stopped before the update, so the "
+            "weights and the last checkpoint are intact. Lower the learning rate or check the dataset "
+            "for broken images."
         )
 
 
@@ -134,6 +134,8 @@ def train(
     start = 0
     if resume is not None:
         optimizer.load_state_dict(resume.optimizer_state)
+        for group in optimizer.param_groups:  # the saved groups carry the old run's settings
+            group["weight_decay"] = config.weight_decay
         generator.set_state(resume.generator_state)
         start, result.losses = resume.step, list(resume.losses)
     accumulation = config.gradient_accumulation
@@ -159,9 +161,12 @@ def train(
         if not math.isfinite(total):
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(step + 1, total)
-        # 3) clip and update
-        if config.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(parameters, config.max_grad_norm, foreach=False)
+        # 3) clip (an infinite max norm only measures) and update, never with a non-finite gradient
+        limit = config.max_grad_norm if config.max_grad_norm > 0 else math.inf
+        norm = float(torch.nn.utils.clip_grad_norm_(parameters, limit, foreach=False))
+        if not math.isfinite(norm):
+            optimizer.zero_grad(set_to_none=True)
+            raise NonFiniteLoss(step + 1, norm, "gradient norm")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(total)

@@ -126,14 +126,8 @@ def caption_dropout_mask(uniform: torch.Tensor, probability: float) -> torch.Ten
     return uniform < probability
 
 
-def apply_caption_dropout(
-    context: torch.Tensor,
-    pooled: torch.Tensor,
-    empty_context: torch.Tensor,
-    empty_pooled: torch.Tensor,
-    drop: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Swap in the cached empty-prompt embedding for the dropped samples."""
-    context = torch.where(drop[:, None, None], empty_context.expand_as(context), context)
-    pooled = torch.where(drop[:, None], empty_pooled.expand_as(pooled), pooled)
-    return context, pooled
+def apply_caption_dropout(texts: list, empty, drop: torch.Tensor) -> list:
+    """Per sample, the cached empty-prompt embedding where `drop` is True, else its own
+    (context, pooled). Per sample, not per batch tensor: ComfyUI's T5 keeps captions over 256
+    tokens longer than the empty prompt, and a batch of one must still work."""
+    return [empty if dropped else text for text, dropped in zip(texts, drop.tolist(), strict=True)]

@@ -13,7 +13,7 @@ import pytest
 from kt_testing.datasets import write_one_folder
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.server import ComfyServer
-from trainer_core.checkpoint import list_checkpoints, load_checkpoint
+from trainer_core.checkpoint import all_checkpoints, load_checkpoint
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import load
 
@@ -130,7 +130,7 @@ def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, data
     finally:
         ws.close()
     assert messages[-1]["type"] == "execution_interrupted", messages[-1]
-    saved = list_checkpoints(loras(server) / "kt_e2e_cancel_checkpoints")
+    saved = all_checkpoints(loras(server) / "kt_e2e_cancel_checkpoints")
     assert len(saved) == 1 and load_checkpoint(saved[0]).step >= interrupted_at
     assert progress_events(messages)[-1]["status"] == "cancelled"
     assert not (loras(server) / "kt_e2e_cancel.safetensors").exists()
@@ -144,7 +144,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(server, dataset):
     )
     assert messages[-1]["type"] == "execution_error", messages[-1]
     assert "the loss became nan" in messages[-1]["data"]["exception_message"]
-    for path in list_checkpoints(loras(server) / "kt_e2e_nan_checkpoints"):
+    for path in all_checkpoints(loras(server) / "kt_e2e_nan_checkpoints"):
         checkpoint = load_checkpoint(path)
         assert all(loss == loss for loss in checkpoint.losses)  # no NaN ever saved
     assert not (loras(server) / "kt_e2e_nan.safetensors").exists()
@@ -177,22 +177,22 @@ def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
         checkpoints = loras(server) / "kt_atomic_checkpoints"
         deadline, caught = time.monotonic() + 240, None
         while time.monotonic() < deadline and caught is None:
-            for folder in (checkpoints, loras(server)):
-                if folder.is_dir():
-                    caught = next((p for p in folder.iterdir() if p.name.endswith(".partial")), None)
-                    if caught is not None:
-                        server.kill()
-                        break
+            runs = [p for p in checkpoints.iterdir() if p.is_dir()] if checkpoints.is_dir() else []
+            for folder in (*runs, loras(server)):
+                caught = next((p for p in folder.iterdir() if p.name.endswith(".partial")), None)
+                if caught is not None:
+                    server.kill()
+                    break
         assert caught is not None, "no save was seen in progress"
     assert lora.read_bytes() == previous
     assert load(lora)[0]  # still a valid safetensors file
-    for path in list_checkpoints(checkpoints):
+    for path in all_checkpoints(checkpoints):
         load_checkpoint(path)  # every visible checkpoint is complete
 
     with ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS) as server:  # the next run tidies up
         _, again = server.run_prompt(training_graph(data, "kt_atomic", steps=1))
         assert again[-1]["type"] == "execution_success"
-    assert not [p for p in checkpoints.iterdir() if p.name.endswith(".partial")]
+    assert not [p for p in checkpoints.rglob("*") if p.name.endswith((".partial", ".old"))]
     assert not list(loras(server).glob(".*.partial"))
 
 

@@ -114,14 +114,31 @@ def test_widgets_come_from_the_config(mods):
 
 def test_resume_continues_with_identical_losses(mods, dataset):
     _, _, uninterrupted = train(mods, dataset, "kt_resume_a", steps=6, save_every=3, dropout=0.1, seed=5)
-    checkpoint = "kt_resume_a_checkpoints/step_000003"
-    assert checkpoint in mods.node.resume_choices()
+    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_resume_a_checkpoints/")]
+    # one run folder, with the step-3 checkpoint and the final step (a finished run can go on)
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000003", "step_000006"]
+    checkpoint, final = choices
     _, _, resumed = train(
         mods, dataset, "kt_resume_b", resume=checkpoint, steps=6, save_every=3, dropout=0.1, seed=5
     )
     assert resumed["loss"] == uninterrupted["loss"]  # steps 1-3 from the checkpoint, 4-6 trained again
+    _, _, extended = train(
+        mods, dataset, "kt_resume_a", resume=final, steps=8, save_every=3, dropout=0.1, seed=5
+    )
+    assert extended["loss"][:6] == uninterrupted["loss"] and len(extended["loss"]) == 8
     with pytest.raises(ValueError, match="checkpoint was trained with rank=2 but this run has rank=4"):
         train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, rank=4, seed=5)
+    with pytest.raises(ValueError, match="optimizer='adamw' but this run has optimizer='adafactor'"):
+        train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, optimizer="adafactor", seed=5)
+
+
+def test_runs_under_one_name_keep_their_own_checkpoints(mods, dataset):
+    train(mods, dataset, "kt_two_runs", steps=4, save_every=1, keep_last=2)
+    train(mods, dataset, "kt_two_runs", steps=2, save_every=1, keep_last=2)
+    runs = sorted((loras_dir() / "kt_two_runs_checkpoints").iterdir())
+    assert len(runs) == 2
+    kept = [[p.name for p in mods.checkpoint.list_checkpoints(run)] for run in runs]
+    assert kept == [["step_000003", "step_000004"], ["step_000001", "step_000002"]]
 
 
 def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods, dataset):
@@ -143,7 +160,7 @@ def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods,
     presser.join()
     job = mods.job.MANAGER.current
     assert not job.running and job.snapshot().status == "cancelled", (job.error, job.snapshot())
-    saved = mods.checkpoint.list_checkpoints(loras_dir() / "kt_cancel_checkpoints")
+    saved = mods.checkpoint.all_checkpoints(loras_dir() / "kt_cancel_checkpoints")
     assert len(saved) == 1
     stopped_at = mods.checkpoint.load_checkpoint(saved[0]).step
     assert 2 <= stopped_at < 10_000
@@ -161,7 +178,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(mods, dataset):
     with pytest.raises(Exception, match=r"the loss became nan at step (\d+)") as caught:
         train(mods, poisoned, "kt_nan", steps=20, save_every=1, batch_size=1)
     step = int(re.search(r"step (\d+)", str(caught.value)).group(1))
-    saved = mods.checkpoint.list_checkpoints(loras_dir() / "kt_nan_checkpoints")
+    saved = mods.checkpoint.all_checkpoints(loras_dir() / "kt_nan_checkpoints")
     if step > 1:
         last = mods.checkpoint.load_checkpoint(saved[-1])
         assert last.step == step - 1 and all(torch.isfinite(torch.tensor(last.losses)))

@@ -7,7 +7,15 @@ import json
 import pytest
 import torch
 
-from trainer_core.checkpoint import list_checkpoints, load_checkpoint, prune, save_checkpoint
+from trainer_core.checkpoint import (
+    all_checkpoints,
+    drop_after,
+    list_checkpoints,
+    load_checkpoint,
+    new_run_folder,
+    prune,
+    save_checkpoint,
+)
 from trainer_core.lora_file import LoraModule
 
 
@@ -86,3 +94,20 @@ def test_prune_keeps_the_newest(tmp_path):
     prune(tmp_path, 2)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_000010", "step_000100"]
     assert prune(tmp_path, 0) == []
+
+
+def test_run_folders_and_dropping_later_steps(tmp_path):
+    lora, optimizer, rng = state()
+    first, second = new_run_folder(tmp_path), new_run_folder(tmp_path)
+    assert first != second and first.parent == tmp_path
+    for step in (1, 2, 3):
+        save_checkpoint(first, step, lora, optimizer, rng, [], {})
+    save_checkpoint(second, 1, lora, optimizer, rng, [], {})
+    assert [p.relative_to(tmp_path).as_posix() for p in all_checkpoints(tmp_path)] == [
+        f"{first.name}/step_000001",
+        f"{first.name}/step_000002",
+        f"{first.name}/step_000003",
+        f"{second.name}/step_000001",
+    ]
+    assert [p.name for p in drop_after(first, 1)] == ["step_000002", "step_000003"]
+    assert [p.name for p in list_checkpoints(first)] == ["step_000001"]

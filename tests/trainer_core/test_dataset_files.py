@@ -108,3 +108,10 @@ def test_non_utf8_caption_is_a_problem(tmp_path):
     (root / "a.txt").write_bytes(b"caf\xe9")
     with pytest.raises(DatasetProblems, match=r"a\.txt: the caption is not UTF-8"):
         scan_dataset(root)
+
+
+def test_oversized_images_are_problems_before_any_encoding(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=0)
+    color_image(4100, 16, seed=1).save(root / "b.png")
+    with pytest.raises(DatasetProblems, match=r"b\.png: 4100x16 is over the 4096 px cap on a side"):
+        scan_dataset(root)

@@ -123,5 +123,14 @@ def test_caption_dropout_swaps_in_the_empty_prompt():
 def test_captions_of_different_shapes_in_one_batch_are_refused():
     gen = torch.Generator().manual_seed(9)
     samples = [make_sample(gen, text=3), make_sample(gen, text=4)]
-    with pytest.raises(ValueError, match="different shapes"):
+    with pytest.raises(ValueError, match=r"captions encoded to \[3, 4\] tokens.*batch_size 1"):
         flow_matching_loss(Recorder(), samples, TrainConfig(), torch.Generator())
+
+
+def test_caption_dropout_works_when_the_empty_prompt_has_another_length():
+    gen = torch.Generator().manual_seed(10)
+    long_caption = [make_sample(gen, text=6)]  # a caption T5 encoded longer than the empty prompt
+    empty = EmptyText(torch.full((3, 8), 7.0), torch.full((5,), -7.0))
+    recorder = Recorder()
+    flow_matching_loss(recorder, long_caption, TrainConfig(caption_dropout=1.0), torch.Generator(), empty)
+    assert recorder.context.shape == (1, 3, 8)

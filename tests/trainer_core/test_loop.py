@@ -220,3 +220,15 @@ def test_stop_inside_a_step_is_a_clean_boundary():
     state = ResumeState(2, result.losses, result.optimizer.state_dict(), result.generator.get_state())
     resumed = train(config, [stopped], lambda i: 1.0, stopped_loss_fn, resume=state)
     assert resumed.losses == uninterrupted
+
+
+def test_a_non_finite_gradient_stops_before_the_update():
+    weight = torch.nn.Parameter(torch.zeros(3))
+
+    def loss_fn(batch, generator):
+        # a finite loss (0) whose gradient is not: d/dw sqrt(|w|) at w = 0 is 0 * inf = nan
+        return weight.abs().sqrt().sum()
+
+    with pytest.raises(NonFiniteLoss, match="gradient norm became"):
+        train(TrainConfig(steps=2), [weight], lambda i: None, loss_fn)
+    assert torch.equal(weight.detach(), torch.zeros(3))
