@@ -1,6 +1,7 @@
-"""Memory benchmark: resident transformer weight bytes and step time with fp8 base weights on
-or off and blocks_to_swap = 0 / half / all, on the stock-loadable demo Flux (hidden 3072,
-1 double + 1 single block) loaded by the stock UNETLoader (weight_dtype default / fp8_e4m3fn).
+"""Memory benchmark: resident transformer weight bytes and step time for the weights as the
+stock UNETLoader stores them (weight_dtype default, or fp8_e4m3fn), for fp8_mode fp8_scaled,
+and for blocks_to_swap = 0 / half / all, on the stock-loadable demo Flux (hidden 3072, 1
+double + 1 single block).
 
 Ratios are measured side by side in one run, configurations alternating, against the
 fp32-on-CPU (default) model without swapping. On a CPU-only machine both swap devices are the
@@ -60,13 +61,24 @@ def main() -> None:
             [torch.randn(16, side, side, generator=gen)],
         )
         blocks = 2  # 1 double + 1 single
-        configs = [(weights, swap) for weights in ("default", "fp8") for swap in (0, blocks // 2, blocks)]
+        configs = [
+            (weights, swap)
+            for weights in ("default", "fp8", "fp8_scaled")
+            for swap in (0, blocks // 2, blocks)
+        ]
         times = {c: [] for c in configs}
         resident = {}
         for _ in range(args.rounds):
             for weights, swap in configs:
-                model = models[weights]
-                config = ft.TrainConfig(steps=args.steps, rank=16, alpha=16.0, blocks_to_swap=swap, seed=0)
+                model = models["default" if weights == "fp8_scaled" else weights]
+                config = ft.TrainConfig(
+                    steps=args.steps,
+                    rank=16,
+                    alpha=16.0,
+                    blocks_to_swap=swap,
+                    seed=0,
+                    fp8_mode="fp8_scaled" if weights == "fp8_scaled" else "as_loaded",
+                )
                 with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
                     flux = session.diffusion_model
                     swapped = 0

@@ -36,6 +36,7 @@ from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .flux_blocks import install_trainable_blocks
+from .fp8_scaled import fp8_scaled_blocks
 from .reference_ids import forward_token_batch, with_reference_ids
 
 
@@ -229,15 +230,15 @@ def flux_lora_session(
         lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
         swapper = None
         was_training = diffusion_model.training
-        try:
+        with contextlib.ExitStack() as undo:
+            undo.callback(lora.detach)
+            if config.fp8_mode == "fp8_scaled":  # before the swapper, which moves these weights
+                undo.enter_context(fp8_scaled_blocks(diffusion_model, clone.offload_device))
             if config.blocks_to_swap:
                 swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
+                undo.callback(swapper.restore)
                 swapper.prepare()
             install_trainable_blocks(clone, config.gradient_checkpointing, swapper)
+            undo.callback(diffusion_model.train, was_training)
             diffusion_model.train(config.dropout > 0)
             yield FluxLoraSession(clone, lora, config, empty_text, swapper)
-        finally:
-            diffusion_model.train(was_training)
-            if swapper is not None:
-                swapper.restore()
-            lora.detach()

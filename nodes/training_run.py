@@ -103,7 +103,10 @@ def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estima
         references=dataset.reference_count,
         batch=config.batch_size,
         rank=config.rank,
-        weight_format={1: "fp8", 2: "bf16"}.get(itemsize, "fp32"),
+        weight_format="fp8_scaled"
+        if config.fp8_mode == "fp8_scaled"
+        else {1: "fp8", 2: "bf16"}.get(itemsize, "fp32"),
+        blocks_to_swap=config.blocks_to_swap,
         gradient_checkpointing=config.gradient_checkpointing,
     )
 

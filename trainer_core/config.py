@@ -13,6 +13,7 @@ from .position_ids import LAYOUTS, check_layout
 from .schedule import SCHEDULES
 
 OPTIMIZERS = ("adamw", "adafactor")
+FP8_MODES = ("as_loaded", "fp8_scaled")
 TARGET_PRESET_NAMES = tuple(TARGET_PRESETS)
 LAYOUT_NAMES = tuple(LAYOUTS)
 
@@ -81,6 +82,13 @@ class TrainConfig:
     gradient_checkpointing: bool = knob(
         True, "Recompute block activations in backward: much less memory, about a third slower."
     )
+    fp8_mode: str = knob(
+        "as_loaded",
+        "as_loaded: train on the weights as the loader stored them (UNETLoader weight_dtype fp8_e4m3fn "
+        "gives fp8). fp8_scaled: for this run, store the block attention and MLP weights as e4m3 with a "
+        "scale per output channel (norms, modulation, embeddings, final layer stay as loaded).",
+        options=FP8_MODES,
+    )
     blocks_to_swap: int = knob(
         0,
         "Blocks whose weights wait in CPU memory and visit the GPU only while they run (single "
@@ -114,6 +122,8 @@ class TrainConfig:
                 "blocks_to_swap needs gradient_checkpointing on (otherwise every block's weights "
                 "stay referenced until backward and nothing would be saved)"
             )
+        if self.fp8_mode not in FP8_MODES:
+            raise ValueError(f"unknown fp8_mode {self.fp8_mode!r}; choose one of {', '.join(FP8_MODES)}")
         if self.optimizer not in OPTIMIZERS:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:

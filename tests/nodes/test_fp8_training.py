@@ -97,3 +97,89 @@ def test_fp8_model_is_untouched_by_training(mods):
     run(mods, model, steps=2)
     assert torch.equal(apply(model), before)
     assert {p.dtype for p in model.model.diffusion_model.parameters()} == {torch.float8_e4m3fn}
+
+
+def session_output(mods, model, fp8_mode):
+    """Sampling-time output inside a training session (LoRA still zero)."""
+    import comfy.model_management
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 16, 8, 8, generator=gen)
+    cond = {
+        "c_crossattn": torch.randn(1, 5, 48, generator=gen),
+        "y": torch.randn(1, 32, generator=gen),
+        "guidance": torch.tensor([1.0]),
+    }
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode=fp8_mode)
+    with mods.ft.flux_lora_session(model, config) as session:
+        comfy.model_management.load_models_gpu([session.patcher])
+        with torch.no_grad():
+            out = session.patcher.model.apply_model(
+                x, torch.tensor([0.5]), transformer_options=session.transformer_options(), **cond
+            )
+        layers = [
+            session.diffusion_model.get_submodule(n)
+            for n in (
+                "double_blocks.0.img_attn.qkv",
+                "single_blocks.1.linear2",
+                "double_blocks.0.img_mod.lin",
+            )
+        ]
+        dtypes = [getattr(layer, "base_layer", layer).weight.dtype for layer in layers]
+    return out, dtypes
+
+
+def test_fp8_scaled_is_closer_than_a_plain_fp8_cast_and_keeps_modulation(mods):
+    full = apply(tiny_flux_patcher(seed=1))
+    scaled, dtypes = session_output(mods, tiny_flux_patcher(seed=1), "fp8_scaled")
+    assert dtypes == [torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32]  # modulation as loaded
+    plain = apply(fp8_model(torch.float8_e4m3fn))
+
+    def error(out):
+        return float((out - full).pow(2).mean().sqrt() / full.pow(2).mean().sqrt())
+
+    assert 0 < error(scaled) < error(plain) and error(scaled) <= 0.05
+
+
+def test_fp8_scaled_training_follows_full_precision_and_restores_the_model(mods):
+    model = tiny_flux_patcher(seed=1)
+    before, parameters = apply(model), dict(model.model.diffusion_model.named_parameters())
+    qkv = model.model.diffusion_model.double_blocks[0].img_attn.qkv
+    hooks_before = list(qkv.__dict__.get("weight_function", ["class default"]))
+    full = torch.tensor(run(mods, tiny_flux_patcher(seed=1)))
+    config_run = mods.ft.TrainConfig(steps=8, rank=4, alpha=4.0, learning_rate=1e-3, fp8_mode="fp8_scaled")
+    gen = torch.Generator().manual_seed(2)
+    samples = [
+        mods.flow_step.Sample(
+            torch.randn(16, 8, 8, generator=gen),
+            torch.randn(5, 48, generator=gen),
+            torch.randn(32, generator=gen),
+            [torch.randn(16, 8, 8, generator=gen)],
+        )
+        for _ in range(4)
+    ]
+    with mods.ft.flux_lora_session(model, config_run) as session:
+        scaled = torch.tensor(
+            mods.loop.train(
+                config_run, session.lora.parameters(), lambda i: [samples[i % 4]], session.loss
+            ).losses
+        )
+    assert float(((scaled - full).abs() / full).max()) <= 0.02
+    assert torch.equal(apply(model), before)
+    after = dict(model.model.diffusion_model.named_parameters())
+    assert all(after[name] is parameter for name, parameter in parameters.items())  # the same objects
+    assert (
+        list(qkv.__dict__.get("weight_function", ["class default"])) == hooks_before
+    )  # ComfyUI's hooks as they were
+
+
+def test_fp8_scaled_storage(pack):
+    fp8_scaled = importlib.import_module(f"{pack.__name__}.nodes.fp8_scaled")
+    weight = torch.randn(12, 3072, generator=torch.Generator().manual_seed(0))  # Flux in-features
+    values, scale = fp8_scaled.quantize_rows(weight)
+    assert values.dtype == torch.float8_e4m3fn and scale.shape == (12,)
+    # by hand: each row's largest magnitude maps to e4m3's largest value, 448
+    assert torch.equal(values.float().abs().amax(dim=1), torch.full((12,), 448.0))
+    stored = values.numel() * values.element_size() + scale.numel() * scale.element_size()
+    assert stored <= 0.52 * weight.numel() * 2  # against the same weight in bf16
+    torch.testing.assert_close(values.float() * scale[:, None], weight, rtol=0.07, atol=1e-6)
