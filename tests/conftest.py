@@ -35,6 +35,14 @@ def pack(comfy_runtime):
 
 
 @pytest.fixture(scope="session")
+def pack_import(pack):
+    """Import one of the pack's modules as ComfyUI loaded it: `pack_import("nodes.train_lora")`."""
+    import importlib
+
+    return lambda name: importlib.import_module(f"{pack.__name__}.{name}")
+
+
+@pytest.fixture(scope="session")
 def stock_assets(comfy_runtime):
     """The demo's stock-loadable files (cached outside git), linked into models/."""
     import demo_assets

@@ -15,6 +15,7 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher  # noqa: E402
 
 
@@ -90,19 +91,7 @@ class ModelDifference:
         return {"required": {"model_a": ("MODEL",), "model_b": ("MODEL",)}}
 
     def compare(self, model_a, model_b):
-        import comfy.model_management
-
-        gen = torch.Generator().manual_seed(0)
-        x = torch.randn(1, 16, 8, 8, generator=gen)
-        cond = {
-            "c_crossattn": torch.randn(1, 77, 48, generator=gen),
-            "y": torch.randn(1, 48, generator=gen),
-            "guidance": torch.tensor([1.0]),
-        }
-        outputs = []
-        for model in (model_a, model_b):
-            comfy.model_management.load_models_gpu([model])
-            outputs.append(model.model.apply_model(x, torch.tensor([0.5]), **cond))
+        outputs = [model_output(m, text=(77, 48), pooled=48) for m in (model_a, model_b)]
         return {"ui": {"difference": [float((outputs[0] - outputs[1]).abs().max())]}}
 
 

@@ -4,33 +4,24 @@ swapping, and the recorded transfers must follow the schedule."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from kt_testing.probes import tiny_samples
 from kt_testing.tiny_models import tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
-def mods(pack):
-    def load(name):
-        return importlib.import_module(f"{pack.__name__}.{name}")
-
-    return type("Mods", (), {"ft": load("nodes.flux_training"), "flow_step": load("trainer_core.flow_step")})
+def mods(pack_import):
+    return type(
+        "Mods",
+        (),
+        {"ft": pack_import("nodes.flux_training"), "flow_step": pack_import("trainer_core.flow_step")},
+    )
 
 
 def samples(mods):
-    gen = torch.Generator().manual_seed(3)
-    return [
-        mods.flow_step.Sample(
-            torch.randn(16, 8, 8, generator=gen),
-            torch.randn(5, 48, generator=gen),
-            torch.randn(32, generator=gen),
-            [torch.randn(16, 8, 6, generator=gen)],
-        )
-        for _ in range(2)
-    ]
+    return tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)])
 
 
 def loss_and_grads(mods, model, blocks_to_swap, record=None):

@@ -8,6 +8,7 @@ import importlib
 import pytest
 import torch
 
+from kt_testing.probes import tiny_samples
 from kt_testing.tiny_models import tiny_flux_patcher
 
 
@@ -19,18 +20,6 @@ def ft(pack):
 @pytest.fixture(scope="module")
 def Sample(pack):
     return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
-
-
-def make_samples(Sample, count, reference_sizes, seed, dtype=torch.float32, target=(8, 8)):
-    gen = torch.Generator().manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    return [
-        Sample(randn(16, *target), randn(5, 48), randn(32), [randn(16, *size) for size in reference_sizes])
-        for _ in range(count)
-    ]
 
 
 def comfy_forward(model, x, refs, context, y, sigma=0.6):
@@ -81,7 +70,7 @@ def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpo
     dtype, so the loss carries ~1e-9 relative rounding. h = 1e-2 keeps that rounding and the
     O(h^4) truncation far below the 1e-3 bound (measured worst case ~1e-4)."""
     model = tiny_flux_patcher(seed=5, dtype=torch.float64)
-    samples = make_samples(Sample, 2, [(8, 6), (4, 8)][:references], seed=references, dtype=torch.float64)
+    samples = tiny_samples(Sample, 2, references, [(8, 6), (4, 8)][:references], dtype=torch.float64)
     config = ft.TrainConfig(
         rank=3, alpha=1.5, targets="all_linear", gradient_checkpointing=checkpointing, seed=1
     )
@@ -113,7 +102,7 @@ def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpo
 
 def test_checkpointing_gives_the_same_gradients(ft, Sample):
     model = tiny_flux_patcher(seed=6, dtype=torch.float64)
-    samples = make_samples(Sample, 2, [(8, 6)], seed=4, dtype=torch.float64)
+    samples = tiny_samples(Sample, 2, 4, [(8, 6)], dtype=torch.float64)
     grads = []
     for checkpointing in (False, True):
         config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
@@ -129,8 +118,8 @@ def test_padded_mixed_size_batch_equals_comfyui_call_per_sample(ft, Sample, pack
     call gives it alone."""
     token_batch = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch")
     model = tiny_flux_patcher(seed=8, dtype=torch.float64)
-    first = make_samples(Sample, 1, [(8, 6)], seed=5, dtype=torch.float64)
-    second = make_samples(Sample, 1, [(4, 8), (2, 2)], seed=6, dtype=torch.float64)
+    first = tiny_samples(Sample, 1, 5, [(8, 6)], dtype=torch.float64)
+    second = tiny_samples(Sample, 1, 6, [(4, 8), (2, 2)], dtype=torch.float64)
     config = ft.TrainConfig(rank=2, alpha=2.0, layout="dreamomni2")
     sigma = torch.tensor([0.3, 0.8], dtype=torch.float64)
 
@@ -157,7 +146,7 @@ def test_padded_mixed_size_batch_equals_comfyui_call_per_sample(ft, Sample, pack
 def test_same_seed_same_losses_and_another_seed_differs(ft, Sample, pack):
     loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
     flow_step = importlib.import_module(f"{pack.__name__}.trainer_core.flow_step")
-    samples = make_samples(Sample, 4, [(8, 8)], seed=10)
+    samples = tiny_samples(Sample, 4, 10, [(8, 8)])
     empty = flow_step.EmptyText(torch.zeros(5, 48), torch.zeros(32))
 
     def run(seed):
@@ -185,7 +174,7 @@ def test_no_full_size_weight_is_materialised(ft, Sample):
     """Every weight-shaped 2-D tensor autograd keeps for backward is one of the model's own
     parameters (same storage): W + delta is never formed."""
     model = tiny_flux_patcher(seed=12)
-    samples = make_samples(Sample, 1, [(8, 8)], seed=13)
+    samples = tiny_samples(Sample, 1, 13, [(8, 8)])
     config = ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", gradient_checkpointing=False)
     saved = []
     with ft.flux_lora_session(model, config) as session:
@@ -215,7 +204,7 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
     implies for the same input, references and guidance value: v = (x - denoised) / sigma."""
     token_batch = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch")
     model = tiny_flux_patcher(seed=15, dtype=torch.float64)
-    (sample,) = make_samples(Sample, 1, [(8, 6), (6, 8)], seed=16, dtype=torch.float64)
+    (sample,) = tiny_samples(Sample, 1, 16, [(8, 6), (6, 8)], dtype=torch.float64)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=3.5, layout="index")
     sigma = torch.tensor([0.45], dtype=torch.float64)
     x, refs = sample.target[None], [r[None] for r in sample.references]

@@ -3,62 +3,35 @@ fp8_e5m2: weights stored in fp8, computed in fp32 on CPU through ComfyUI's manua
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
+from kt_testing.probes import model_output, tiny_samples
 from kt_testing.tiny_models import tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
-def mods(pack):
-    def load(name):
-        return importlib.import_module(f"{pack.__name__}.{name}")
-
-    return type(
-        "Mods",
-        (),
-        {
-            "ft": load("nodes.flux_training"),
-            "loop": load("trainer_core.loop"),
-            "flow_step": load("trainer_core.flow_step"),
-            "vram": load("trainer_core.vram"),
-        },
-    )
+def mods(pack_import):
+    names = {
+        "ft": "nodes.flux_training",
+        "loop": "trainer_core.loop",
+        "flow_step": "trainer_core.flow_step",
+        "vram": "trainer_core.vram",
+        "fp8_scaled": "nodes.fp8_scaled",
+    }
+    return type("Mods", (), {key: pack_import(name) for key, name in names.items()})
 
 
 def fp8_model(dtype, seed=1):
     return tiny_flux_patcher(seed=seed, dtype=dtype, manual_cast_dtype=torch.float32)
 
 
-def apply(model, seed=0):
-    import comfy.model_management
-
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 16, 8, 8, generator=gen)
-    cond = {
-        "c_crossattn": torch.randn(1, 5, 48, generator=gen),
-        "y": torch.randn(1, 32, generator=gen),
-        "guidance": torch.tensor([1.0]),
-    }
-    comfy.model_management.load_models_gpu([model])
-    with torch.no_grad():
-        return model.model.apply_model(x, torch.tensor([0.5]), **cond)
+apply = model_output
 
 
-def run(mods, model, steps=8):
-    gen = torch.Generator().manual_seed(2)
-    samples = [
-        mods.flow_step.Sample(
-            torch.randn(16, 8, 8, generator=gen),
-            torch.randn(5, 48, generator=gen),
-            torch.randn(32, generator=gen),
-            [torch.randn(16, 8, 8, generator=gen)],
-        )
-        for _ in range(4)
-    ]
-    config = mods.ft.TrainConfig(steps=steps, rank=4, alpha=4.0, learning_rate=1e-3)
+def run(mods, model, steps=8, fp8_mode="as_loaded"):
+    samples = tiny_samples(mods.flow_step.Sample, 4, 2, [(8, 8)])
+    config = mods.ft.TrainConfig(steps=steps, rank=4, alpha=4.0, learning_rate=1e-3, fp8_mode=fp8_mode)
     with mods.ft.flux_lora_session(model, config) as session:
         assert {p.dtype for p in session.lora.parameters()} == {torch.float32}
         return mods.loop.train(
@@ -100,31 +73,13 @@ def test_fp8_model_is_untouched_by_training(mods):
 
 
 def session_output(mods, model, fp8_mode):
-    """Sampling-time output inside a training session (LoRA still zero)."""
-    import comfy.model_management
-
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 16, 8, 8, generator=gen)
-    cond = {
-        "c_crossattn": torch.randn(1, 5, 48, generator=gen),
-        "y": torch.randn(1, 32, generator=gen),
-        "guidance": torch.tensor([1.0]),
-    }
+    """Sampling-time output inside a training session (LoRA still zero), and the weight dtype
+    of an attention, a fused single-block and a modulation layer."""
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode=fp8_mode)
     with mods.ft.flux_lora_session(model, config) as session:
-        comfy.model_management.load_models_gpu([session.patcher])
-        with torch.no_grad():
-            out = session.patcher.model.apply_model(
-                x, torch.tensor([0.5]), transformer_options=session.transformer_options(), **cond
-            )
-        layers = [
-            session.diffusion_model.get_submodule(n)
-            for n in (
-                "double_blocks.0.img_attn.qkv",
-                "single_blocks.1.linear2",
-                "double_blocks.0.img_mod.lin",
-            )
-        ]
+        out = model_output(session.patcher, transformer_options=session.transformer_options())
+        names = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "double_blocks.0.img_mod.lin")
+        layers = [session.diffusion_model.get_submodule(n) for n in names]
         dtypes = [getattr(layer, "base_layer", layer).weight.dtype for layer in layers]
     return out, dtypes
 
@@ -147,23 +102,7 @@ def test_fp8_scaled_training_follows_full_precision_and_restores_the_model(mods)
     qkv = model.model.diffusion_model.double_blocks[0].img_attn.qkv
     hooks_before = list(qkv.__dict__.get("weight_function", ["class default"]))
     full = torch.tensor(run(mods, tiny_flux_patcher(seed=1)))
-    config_run = mods.ft.TrainConfig(steps=8, rank=4, alpha=4.0, learning_rate=1e-3, fp8_mode="fp8_scaled")
-    gen = torch.Generator().manual_seed(2)
-    samples = [
-        mods.flow_step.Sample(
-            torch.randn(16, 8, 8, generator=gen),
-            torch.randn(5, 48, generator=gen),
-            torch.randn(32, generator=gen),
-            [torch.randn(16, 8, 8, generator=gen)],
-        )
-        for _ in range(4)
-    ]
-    with mods.ft.flux_lora_session(model, config_run) as session:
-        scaled = torch.tensor(
-            mods.loop.train(
-                config_run, session.lora.parameters(), lambda i: [samples[i % 4]], session.loss
-            ).losses
-        )
+    scaled = torch.tensor(run(mods, model, fp8_mode="fp8_scaled"))
     assert float(((scaled - full).abs() / full).max()) <= 0.02
     assert torch.equal(apply(model), before)
     after = dict(model.model.diffusion_model.named_parameters())
@@ -173,8 +112,8 @@ def test_fp8_scaled_training_follows_full_precision_and_restores_the_model(mods)
     )  # ComfyUI's hooks as they were
 
 
-def test_fp8_scaled_storage(pack):
-    fp8_scaled = importlib.import_module(f"{pack.__name__}.nodes.fp8_scaled")
+def test_fp8_scaled_storage(mods):
+    fp8_scaled = mods.fp8_scaled
     weight = torch.randn(12, 3072, generator=torch.Generator().manual_seed(0))  # Flux in-features
     values, scale = fp8_scaled.quantize_rows(weight)
     assert values.dtype == torch.float8_e4m3fn and scale.shape == (12,)

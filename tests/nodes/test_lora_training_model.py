@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+from kt_testing.probes import model_output, tiny_samples
 from kt_testing.tiny_models import tiny_flux_patcher
 
 
@@ -32,30 +33,9 @@ def core(pack):
     )
 
 
-def probe_inputs(seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    x, ref = torch.randn(1, 16, 8, 8, generator=gen), torch.randn(1, 16, 8, 6, generator=gen)
-    cond = {
-        "c_crossattn": torch.randn(1, 5, 48, generator=gen),
-        "y": torch.randn(1, 32, generator=gen),
-        "guidance": torch.tensor([1.0]),
-        "ref_latents": [ref],
-    }
-    return x, cond
-
-
 def sampling_output(model, transformer_options=None):
-    """What a sampler gets from `model` for a fixed input: load it, then ComfyUI's
-    `apply_model` with the patcher's transformer options."""
-    import comfy.model_management
-
-    comfy.model_management.load_models_gpu([model])
-    x, cond = probe_inputs()
-    options = (
-        transformer_options if transformer_options is not None else model.model_options["transformer_options"]
-    )
-    with torch.no_grad():
-        return model.model.apply_model(x, torch.tensor([0.7]), transformer_options=options, **cond)
+    """What a sampler gets from `model` for a fixed input with one reference."""
+    return model_output(model, sigma=0.7, references=[(8, 6)], transformer_options=transformer_options)
 
 
 def stock_lora_model(comfy_runtime, core, model, name, seed):
@@ -79,16 +59,7 @@ def stock_lora_model(comfy_runtime, core, model, name, seed):
 
 
 def samples_for(core, count, seed):
-    gen = torch.Generator().manual_seed(seed)
-    return [
-        core.flow_step.Sample(
-            torch.randn(16, 8, 8, generator=gen),
-            torch.randn(5, 48, generator=gen),
-            torch.randn(32, generator=gen),
-            [torch.randn(16, 8, 6, generator=gen)],
-        )
-        for _ in range(count)
-    ]
+    return tiny_samples(core.flow_step.Sample, count, seed, [(8, 6)])
 
 
 def train_steps(core, session, config, samples):

@@ -1,0 +1,60 @@
+"""Fixed, seeded inputs for the tiny Flux: training samples, and a MODEL's sampling-time
+output on a fixed input (what ComfyUI's `apply_model` returns after a normal load)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+
+def tiny_samples(
+    Sample,
+    count: int,
+    seed: int,
+    reference_sizes: Sequence[tuple[int, int]] = (),
+    dtype: torch.dtype = torch.float32,
+    target: tuple[int, int] = (8, 8),
+) -> list:
+    """`count` samples for the tiny Flux (16 latent channels, 5x48 text, pooled 32); per
+    sample the draws are target, context, pooled, then each reference."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(dtype)
+
+    return [
+        Sample(randn(16, *target), randn(5, 48), randn(32), [randn(16, *size) for size in reference_sizes])
+        for _ in range(count)
+    ]
+
+
+def model_output(
+    model,
+    seed: int = 0,
+    sigma: float = 0.5,
+    references: Sequence[tuple[int, int]] = (),
+    text: tuple[int, int] = (5, 48),
+    pooled: int = 32,
+    transformer_options: dict | None = None,
+) -> torch.Tensor:
+    """Load `model` the normal way, then ComfyUI's `apply_model` on a fixed input (draws: the
+    latent, each reference, the context, the pooled vector) with the patcher's options."""
+    import comfy.model_management
+
+    comfy.model_management.load_models_gpu([model])
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, 16, 8, 8, generator=gen)
+    refs = [torch.randn(1, 16, *size, generator=gen) for size in references]
+    cond = {
+        "c_crossattn": torch.randn(1, *text, generator=gen),
+        "y": torch.randn(1, pooled, generator=gen),
+        "guidance": torch.tensor([1.0]),
+    }
+    if refs:
+        cond["ref_latents"] = refs
+    options = (
+        transformer_options if transformer_options is not None else model.model_options["transformer_options"]
+    )
+    with torch.no_grad():
+        return model.model.apply_model(x, torch.tensor([sigma]), transformer_options=options, **cond)
