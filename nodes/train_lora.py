@@ -11,10 +11,13 @@ import dataclasses
 import time
 from pathlib import Path
 
+import numpy as np
+import torch
 from comfy_api.latest import io
 
 from ..trainer_core.checkpoint import all_checkpoints, load_checkpoint
 from ..trainer_core.config import TrainConfig
+from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
@@ -127,6 +130,10 @@ class TrainLoRA(io.ComfyNode):
                 ),
                 io.String.Output(display_name="lora_name", tooltip="The file name in models/loras."),
                 LossMap.Output(display_name="loss_map", tooltip="Loss per step."),
+                io.Image.Output(
+                    display_name="loss_chart",
+                    tooltip="Loss per step and its moving average (also saved as <name>_loss.png).",
+                ),
             ],
         )
 
@@ -157,5 +164,8 @@ class TrainLoRA(io.ComfyNode):
         if outcome.cancelled:  # stopped without a Cancel in this prompt (e.g. server shutdown)
             raise comfy.model_management.InterruptProcessingException()
         trained, _ = comfy.sd.load_lora_for_models(model, None, outcome.lora_state, 1.0, 0)
+        chart = draw_loss_chart(outcome.losses)
+        save_png_atomic(chart, paths.loras_dir / f"{paths.stem}_loss.png")
+        image = torch.from_numpy(np.asarray(chart, dtype=np.float32) / 255.0)[None]
         ui = {"lora_name": [paths.lora.name], "loss": outcome.losses}  # in /history, for scripts and the UI
-        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, ui=ui)
+        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, image, ui=ui)

@@ -10,6 +10,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -64,7 +65,7 @@ def train(mods, dataset, name, resume="none", model=None, **overrides):
     mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
     return mods.node.TrainLoRA.execute(
         model or tiny_flux_patcher(seed=3), dataset, name, resume, **settings(mods, **overrides)
-    ).args
+    ).args[:3]  # MODEL, name, loss map (the chart is checked on its own)
 
 
 def loras_dir():
@@ -84,6 +85,25 @@ def test_trains_saves_and_outputs_the_trained_model(mods, dataset, comfy_runtime
     # conditioning as the tiny CLIP makes it: 77 tokens of 48, pooled 48
     outputs = [model_output(patcher, text=(77, 48), pooled=48) for patcher in (model, stock)]
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_loss_chart_output_and_file(mods, dataset):
+    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
+    outputs = mods.node.TrainLoRA.execute(
+        tiny_flux_patcher(seed=3), dataset, "kt_chart", "none", **settings(mods, steps=3)
+    ).args
+    chart = outputs[3]
+    assert (
+        chart.shape == (1, 256, 512, 3)
+        and chart.dtype == torch.float32
+        and 0 <= chart.min() <= chart.max() <= 1
+    )
+    from PIL import Image
+
+    saved = torch.from_numpy(
+        np.asarray(Image.open(loras_dir() / "kt_chart_loss.png"), dtype=np.float32) / 255
+    )
+    assert torch.equal(saved[None], chart)
 
 
 def test_widgets_come_from_the_config(mods):

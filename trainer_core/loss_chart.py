@@ -1,0 +1,80 @@
+"""The loss chart: per-step loss (thin, light) and its moving average (thick) drawn with PIL,
+for TrainLoRA's IMAGE output and the PNG saved beside the LoRA."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+BACKGROUND = (24, 24, 27)
+GRID = (60, 60, 66)
+RAW = (110, 140, 190)
+SMOOTH = (255, 170, 60)
+MARGIN = 40
+
+
+def moving_average(values: Sequence[float], window: int) -> list[float]:
+    """Mean of the last `window` values at each step (fewer at the start)."""
+    out, total = [], 0.0
+    for i, value in enumerate(values):
+        total += value
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def chart_points(
+    values: Sequence[float], width: int, height: int, low: float, high: float
+) -> list[tuple[float, float]]:
+    """Pixel positions: step i at x = MARGIN + i / (n - 1) * plot width; loss `low` on the plot's
+    bottom edge, `high` on its top edge."""
+    n = len(values)
+    plot_w, plot_h = width - 2 * MARGIN, height - 2 * MARGIN
+    span = (high - low) or 1.0
+    return [
+        (MARGIN + (i / max(n - 1, 1)) * plot_w, MARGIN + (1 - (v - low) / span) * plot_h)
+        for i, v in enumerate(values)
+    ]
+
+
+def save_png_atomic(image: Image.Image, path: Path) -> Path:
+    """Write a PNG whole or not at all (temp file in the same folder, then rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
+    os.close(fd)
+    try:
+        image.save(tmp, format="PNG")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def draw_loss_chart(
+    losses: Sequence[float], width: int = 512, height: int = 256, window: int = 10
+) -> Image.Image:
+    image = Image.new("RGB", (width, height), BACKGROUND)
+    draw = ImageDraw.Draw(image)
+    for k in range(5):  # horizontal grid lines at 0, 25, ..., 100 % of the range
+        y = MARGIN + k * (height - 2 * MARGIN) / 4
+        draw.line([(MARGIN, y), (width - MARGIN, y)], fill=GRID)
+    if not losses:
+        draw.text((MARGIN, height / 2), "no steps yet", fill=RAW)
+        return image
+    low, high = float(np.min(losses)), float(np.max(losses))
+    smooth = moving_average(list(losses), window)
+    if len(losses) > 1:
+        draw.line(chart_points(losses, width, height, low, high), fill=RAW, width=1)
+        draw.line(chart_points(smooth, width, height, low, high), fill=SMOOTH, width=3)
+    draw.text(
+        (4, 4), f"loss {losses[0]:.4f} -> {losses[-1]:.4f}  ({len(losses)} steps)", fill=(230, 230, 230)
+    )
+    draw.text((4, height - 16), f"min {low:.4f}  max {high:.4f}", fill=(180, 180, 180))
+    return image
