@@ -7,6 +7,7 @@ from comfy_api.latest import ComfyExtension, io
 from .extension_ids import NODE_ID_PREFIX  # noqa: F401  (re-exported for tests and tools)
 from .load_kontext_dataset import LoadKontextDataset
 from .multi_image_conditioning import MultiImageConditioning
+from .progress_route import register_routes
 from .train_lora import TrainLoRA
 
 
@@ -21,4 +22,5 @@ class KontextTrainerExtension(ComfyExtension):
 
 
 async def comfy_entrypoint() -> KontextTrainerExtension:
+    register_routes()
     return KontextTrainerExtension()

@@ -158,7 +158,9 @@ class TrainLoRA(io.ComfyNode):
             send(progress)
             bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
 
-        job = MANAGER.start(paths.stem, lambda job: run_training(job, model, dataset, config, paths, resume))
+        job = MANAGER.start(
+            paths.stem, lambda job: run_training(job, model, dataset, config, paths, resume), meta=send.base
+        )
         outcome = wait_for(job, on_poll, comfy.model_management.throw_exception_if_processing_interrupted)
         comfy.model_management.soft_empty_cache()
         if outcome.cancelled:  # stopped without a Cancel in this prompt (e.g. server shutdown)

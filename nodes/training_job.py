@@ -11,6 +11,7 @@ ComfyUI shows it on the node.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -59,8 +60,10 @@ class ProgressTracker:
 
 
 class TrainingJob:
-    def __init__(self, name: str, target: Callable[[TrainingJob], object]):
+    def __init__(self, name: str, target: Callable[[TrainingJob], object], meta: dict | None = None):
         self.name = name
+        self.meta = dict(meta or {})  # node id, prompt id, LoRA file name: for the progress route
+        self.losses: list[float] = []  # every finished step's loss (a resumed run's earlier ones too)
         self.stop_requested = threading.Event()
         self.result = None
         self.error: BaseException | None = None
@@ -84,6 +87,15 @@ class TrainingJob:
         with self._lock:
             return self._progress
 
+    def record_loss(self, loss: float) -> None:
+        with self._lock:
+            self.losses.append(loss)
+
+    def state(self) -> dict:
+        """Everything a page needs to redraw the job after a reload."""
+        with self._lock:
+            return {**self.meta, **dataclasses.asdict(self._progress), "losses": list(self.losses)}
+
     @property
     def running(self) -> bool:
         return self.thread.is_alive()
@@ -96,7 +108,9 @@ class JobManager:
         self._lock = threading.Lock()
         self.current: TrainingJob | None = None
 
-    def start(self, name: str, target: Callable[[TrainingJob], object]) -> TrainingJob:
+    def start(
+        self, name: str, target: Callable[[TrainingJob], object], meta: dict | None = None
+    ) -> TrainingJob:
         with self._lock:
             if self.current is not None and self.current.running:
                 busy = self.current.snapshot()
@@ -105,7 +119,7 @@ class JobManager:
                     f"step {busy.step}/{busy.total}); wait for it to finish or press Cancel, "
                     "then queue this one again"
                 )
-            self.current = TrainingJob(name, target)
+            self.current = TrainingJob(name, target, meta)
             self.current.thread.start()
             return self.current
 

@@ -170,6 +170,8 @@ def run_training(
     )
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     tracker = ProgressTracker(config.steps, resume.step if resume else 0)
+    for loss in resume.losses if resume else []:
+        job.record_loss(loss)
     estimate = vram_estimate(model, dataset, config)
     weights = module_weight_bytes(model.model.diffusion_model)
     LOGGER.info(
@@ -204,6 +206,7 @@ def run_training(
             return path
 
         def on_step(info) -> bool:
+            job.record_loss(info.loss)
             job.report(tracker.update(info))
             return not job.stop_requested.is_set()
 

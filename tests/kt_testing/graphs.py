@@ -1,0 +1,48 @@
+"""API-format graphs the end-to-end tests queue: the tests' own tiny-model nodes feeding the
+product's nodes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from trainer_core.config import TrainConfig
+
+
+def training_graph(dataset: Path, lora_name: str, poison: bool = False, **overrides) -> dict:
+    settings = {f: getattr(TrainConfig(), f) for f in TrainConfig.__dataclass_fields__}
+    settings.update(rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
+    settings.update(overrides)
+    graph = {
+        "1": {"class_type": "KTTest_TinyFluxModel", "inputs": {"seed": 3}},
+        "2": {"class_type": "KTTest_SmallFluxVAE", "inputs": {"seed": 1}},
+        "3": {"class_type": "KTTest_TinyCLIP", "inputs": {"seed": 2}},
+        "4": {
+            "class_type": "KontextTrainer_LoadKontextDataset",
+            "inputs": {
+                "vae": ["2", 0],
+                "clip": ["3", 0],
+                "folder": "(absolute path below)",
+                "path": str(dataset),
+                "resolution": 256,
+                "reference_resolution": 64,
+                "min_size": 0,
+                "background": "white",
+                "hold_out": 0,
+                "seed": 0,
+                "cache_folder": "",
+            },
+        },
+        "5": {
+            "class_type": "KontextTrainer_TrainLoRA",
+            "inputs": {
+                "model": ["1", 0],
+                "dataset": ["6" if poison else "4", 0],
+                "lora_name": lora_name,
+                "resume_from": "none",
+                **settings,
+            },
+        },
+    }
+    if poison:
+        graph["6"] = {"class_type": "KTTest_PoisonDataset", "inputs": {"dataset": ["4", 0], "index": 1}}
+    return graph
