@@ -49,3 +49,58 @@ def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
         assert node["inputs"]["layout"] in widgets
         consumers = [v for v in prompt.values() if any(link == [node_id, 0] for link in v["inputs"].values())]
         assert consumers, f"the MODEL output of node {node_id} is not used"
+
+
+def prepare_names(server):
+    """Files under the names the workflows use (demo assets stand in for the real models;
+    validation checks names, not contents)."""
+    from PIL import Image
+
+    import demo_assets
+    from kt_testing.paths import asset_cache_dir
+
+    paths = demo_assets.ensure_assets(asset_cache_dir())
+    models = server.base_dir / "models"
+    demo_assets.link_into_models(paths, models)
+    stand_ins = {
+        "diffusion_models/flux1-dev-kontext_fp8_scaled.safetensors": paths["flux"],
+        "text_encoders/clip_l.safetensors": paths["clip"],
+        "text_encoders/t5xxl_fp8_e4m3fn_scaled.safetensors": paths["clip"],
+        "vae/ae.safetensors": paths["vae"],
+    }
+    for name, target in stand_ins.items():
+        link = models / name
+        if not link.exists():
+            link.symlink_to(target.resolve())
+    from safetensors.torch import save_file
+
+    (models / "loras").mkdir(exist_ok=True)
+    save_file({}, str(models / "loras" / "kontext_demo_lora.safetensors"))
+    inputs = server.base_dir / "input"
+    for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo"):
+        (inputs / folder).mkdir(exist_ok=True)
+    for image in ("person.png", "hat.png", "kontext_demo_reference.png"):
+        Image.new("RGB", (64, 64), (200, 100, 50)).save(inputs / image)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
+def test_workflow_validates_on_the_server(server, path):
+    """ComfyUI accepts the workflow's prompt (its own validation of every node and value); the
+    queued run is then withdrawn."""
+    import time
+
+    prepare_names(server)
+    source = REPO_ROOT / "example_workflows" / "api" / path.name
+    assert source.is_file(), f"{path.name} has no API-format source in example_workflows/api/"
+    queued = server.post_json("/prompt", {"prompt": json.loads(source.read_text())})
+    assert queued["node_errors"] == {}, queued
+    server.post_json("/queue", {"delete": [queued["prompt_id"]]})
+    server.post_json("/interrupt", {})
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # leave an idle server to the next test
+        queue = server.get_json("/queue")
+        if not queue["queue_running"] and not queue["queue_pending"]:
+            break
+        server.post_json("/interrupt", {})
+        time.sleep(0.2)
