@@ -19,5 +19,6 @@ PAYLOAD_FIELDS = (
     "seconds_per_step",  # mean of the recent steps
     "eta_seconds",
     "message",  # why it stopped (errors, cancel), else ""
+    "previews",  # the latest preview images, as /view references with their step
 )
 MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second

@@ -21,6 +21,7 @@ from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
+from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
 from .training_job import MANAGER, Progress, wait_for
 from .training_run import LoraPaths, check_resume, run_training
@@ -123,6 +124,11 @@ class TrainLoRA(io.ComfyNode):
                     tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...).",
                 ),
                 *[config_widget(f) for f in dataclasses.fields(TrainConfig)],
+                Preview.Input(
+                    "preview",
+                    optional=True,
+                    tooltip="From PreviewSampler: sample with the LoRA while it trains.",
+                ),
             ],
             outputs=[
                 io.Model.Output(
@@ -131,6 +137,10 @@ class TrainLoRA(io.ComfyNode):
                 io.String.Output(display_name="lora_name", tooltip="The file name in models/loras."),
                 LossMap.Output(display_name="loss_map", tooltip="Loss per step."),
                 io.Image.Output(
+                    display_name="previews",
+                    tooltip="The last previews (from PreviewSampler); a black 64x64 image without one.",
+                ),
+                io.Image.Output(
                     display_name="loss_chart",
                     tooltip="Loss per step and its moving average (also saved as <name>_loss.png).",
                 ),
@@ -138,7 +148,7 @@ class TrainLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, dataset, lora_name, resume_from, **settings) -> io.NodeOutput:
+    def execute(cls, model, dataset, lora_name, resume_from, preview=None, **settings) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
@@ -158,8 +168,13 @@ class TrainLoRA(io.ComfyNode):
             send(progress)
             bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
 
+        import folder_paths
+
+        temp_dir = Path(folder_paths.get_temp_directory())
         job = MANAGER.start(
-            paths.stem, lambda job: run_training(job, model, dataset, config, paths, resume), meta=send.base
+            paths.stem,
+            lambda job: run_training(job, model, dataset, config, paths, resume, preview, temp_dir),
+            meta=send.base,
         )
         outcome = wait_for(job, on_poll, comfy.model_management.throw_exception_if_processing_interrupted)
         comfy.model_management.soft_empty_cache()
@@ -170,4 +185,5 @@ class TrainLoRA(io.ComfyNode):
         save_png_atomic(chart, paths.loras_dir / f"{paths.stem}_loss.png")
         image = torch.from_numpy(np.asarray(chart, dtype=np.float32) / 255.0)[None]
         ui = {"lora_name": [paths.lora.name], "loss": outcome.losses}  # in /history, for scripts and the UI
-        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, image, ui=ui)
+        previews = outcome.previews if outcome.previews is not None else torch.zeros(1, 64, 64, 3)
+        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, previews, image, ui=ui)

@@ -31,6 +31,7 @@ class Progress:
     seconds_per_step: float | None = None
     eta_seconds: float | None = None
     message: str = ""
+    previews: tuple = ()  # the latest preview images: ({filename, subfolder, type, step}, ...)
 
 
 class ProgressTracker:

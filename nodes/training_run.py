@@ -25,6 +25,7 @@ from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResu
 from ..trainer_core.names import SUFFIX
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import flux_lora_session
+from .preview_sampler import PreviewSettings, sample_previews, save_previews
 from .training_job import ProgressTracker, TrainingJob
 
 # Must match between a checkpoint and the run resuming it (they shape the LoRA or its ids).
@@ -62,6 +63,7 @@ class TrainingOutcome:
     lora_state: dict[str, torch.Tensor] = field(default_factory=dict)  # the saved file's tensors
     cancelled: bool = False
     checkpoint: Path | None = None
+    previews: torch.Tensor | None = None  # the final preview images (B, H, W, 3)
 
 
 def run_record(config: TrainConfig, dataset: KontextDataset) -> dict:
@@ -146,6 +148,8 @@ def run_training(
     config: TrainConfig,
     paths: LoraPaths,
     resume: Checkpoint | None = None,
+    preview: PreviewSettings | None = None,
+    temp_dir: Path | None = None,
 ) -> TrainingOutcome:
     import comfy.model_management
 
@@ -205,9 +209,19 @@ def run_training(
             prune(run_folder, config.keep_last)
             return path
 
+        def previews(step: int) -> torch.Tensor | None:
+            images = sample_previews(session, preview, config.layout)
+            job.report(previews=tuple(save_previews(images, temp_dir, paths.stem, step)))
+            return images
+
         def on_step(info) -> bool:
             job.record_loss(info.loss)
             job.report(tracker.update(info))
+            if preview is not None and info.step % preview.every_n_steps == 0 and info.step < config.steps:
+                try:
+                    previews(info.step)
+                except comfy.model_management.InterruptProcessingException:
+                    job.stop_requested.set()  # Cancel pressed while sampling: stop here, cleanly
             return not job.stop_requested.is_set()
 
         try:
@@ -236,6 +250,7 @@ def run_training(
             job.report(status="cancelled", message=f"stopped at step {result.steps}; checkpoint {checkpoint}")
             return TrainingOutcome(result.losses, cancelled=True, checkpoint=checkpoint)
         save(config.steps, result)  # the final step too: a finished run can be continued
+        final_previews = previews(config.steps) if preview is not None else None
         state = session.save(
             paths.lora,
             config.steps,
@@ -245,7 +260,7 @@ def run_training(
         )
         lora_state = _read_back(state)
     job.report(status="finished", message=str(paths.lora))
-    return TrainingOutcome(result.losses, lora_state)
+    return TrainingOutcome(result.losses, lora_state, previews=final_previews)
 
 
 def _read_back(path: Path) -> dict[str, torch.Tensor]:

@@ -53,7 +53,7 @@ def panel_state(page, node="5"):
 
 
 def test_panel_follows_a_run_and_draws_the_chart(comfy_page, server, dataset):
-    graph = training_graph(dataset, "kt_panel_run", steps=8)
+    graph = training_graph(dataset, "kt_panel_run", steps=8, preview_every=4)
     comfy_page.set_viewport_size({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
     # no first-run template browser over the canvas (for the screenshot)
     server.post_json("/settings/Comfy.TutorialCompleted", True)
@@ -73,12 +73,30 @@ def test_panel_follows_a_run_and_draws_the_chart(comfy_page, server, dataset):
     state = panel_state(comfy_page)
     assert state["points"] == 8  # live points, completed from the route when the run ended
     assert "kt_panel_run.safetensors" in state["text"]  # this run's result, not an earlier one
-    assert state["bar"] == "100%" and "step 8 / 8" in state["text"] and "finished" in state["text"]
+    # PreviewSampler's images (sampled at step 4 and at the end) are on the node and served
+    comfy_page.wait_for_function(
+        "() => [...document.querySelectorAll('.kt-previews img')]"
+        ".some(i => i.complete && i.naturalWidth === 64)",
+        timeout=30_000,
+    )
+    route = server.get_json("/kontext_trainer/progress")
+    assert [p["step"] for p in route["previews"]] == [8]
+    image = server.get(
+        f"/view?filename={route['previews'][0]['filename']}&subfolder=kontext_trainer_previews&type=temp"
+    )
+    assert image[:8] == b"\x89PNG\r\n\x1a\n"
+    outputs = server.history(prompt_id)["outputs"]["5"]
+    assert outputs["lora_name"] == ["kt_panel_run.safetensors"]
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    comfy_page.evaluate(
+        "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.Canvas.FitView')"
+    )
+    comfy_page.wait_for_timeout(500)
     comfy_page.screenshot(path=str(ARTIFACTS / "training_panel.png"))
     panel = comfy_page.locator(".kt-training-panel").first
     if panel.is_visible():
         panel.screenshot(path=str(ARTIFACTS / "training_panel_widget.png"))
+    assert state["bar"] == "100%" and "step 8 / 8" in state["text"] and "finished" in state["text"]
     assert not comfy_page.page_errors, comfy_page.page_errors
     assert prompt_id
 

@@ -8,7 +8,9 @@ from pathlib import Path
 from trainer_core.config import TrainConfig
 
 
-def training_graph(dataset: Path, lora_name: str, poison: bool = False, **overrides) -> dict:
+def training_graph(
+    dataset: Path, lora_name: str, poison: bool = False, preview_every: int = 0, **overrides
+) -> dict:
     settings = {f: getattr(TrainConfig(), f) for f in TrainConfig.__dataclass_fields__}
     settings.update(rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
     settings.update(overrides)
@@ -43,6 +45,25 @@ def training_graph(dataset: Path, lora_name: str, poison: bool = False, **overri
             },
         },
     }
+    if preview_every:  # PreviewSampler with a prompt from the tiny CLIP, 64 px, 2 sampling steps
+        graph["7"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": "make it blue"}}
+        graph["8"] = {
+            "class_type": "KontextTrainer_PreviewSampler",
+            "inputs": {
+                "positive": ["7", 0],
+                "vae": ["2", 0],
+                "every_n_steps": preview_every,
+                "steps": 2,
+                "cfg": 1.0,
+                "guidance": 1.0,
+                "width": 64,
+                "height": 64,
+                "seed": 0,
+                "sampler_name": "euler",
+                "scheduler": "simple",
+            },
+        }
+        graph["5"]["inputs"]["preview"] = ["8", 0]
     if poison:
         graph["6"] = {"class_type": "KTTest_PoisonDataset", "inputs": {"dataset": ["4", 0], "index": 1}}
     return graph

@@ -92,7 +92,8 @@ def test_loss_chart_output_and_file(mods, dataset):
     outputs = mods.node.TrainLoRA.execute(
         tiny_flux_patcher(seed=3), dataset, "kt_chart", "none", **settings(mods, steps=3)
     ).args
-    chart = outputs[3]
+    previews, chart = outputs[3], outputs[4]
+    assert previews.shape == (1, 64, 64, 3) and float(previews.abs().max()) == 0  # no PreviewSampler: black
     assert (
         chart.shape == (1, 256, 512, 3)
         and chart.dtype == torch.float32
@@ -216,3 +217,27 @@ def test_event_constants_match_the_web_extension(mods):
     assert js_list("PAYLOAD_FIELDS") == list(mods.events.PAYLOAD_FIELDS)
     progress_fields = [f.name for f in dataclasses.fields(mods.job.Progress)]
     assert set(mods.events.PAYLOAD_FIELDS) == {"node", "prompt_id", "lora_name", *progress_fields}
+
+
+def test_previews_do_not_change_the_run(mods, dataset, pack_import):
+    """Sampling previews between steps (own noise generator, global RNG restored) leaves the
+    training losses exactly as without previews; the last previews come out as IMAGE."""
+    preview_sampler = pack_import("nodes.preview_sampler")
+    clip = tiny_clip(seed=2)
+    positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
+    settings_node = preview_sampler.PreviewSampler.execute(
+        positive, small_flux_vae(seed=1), 2, 2, 1.0, 1.0, 64, 64, 0, "euler", "simple"
+    ).args[0]
+    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
+    common = settings(mods, steps=4, dropout=0.1, seed=3)
+    plain = mods.node.TrainLoRA.execute(
+        tiny_flux_patcher(seed=3), dataset, "kt_no_preview", "none", **common
+    ).args
+    with_previews = mods.node.TrainLoRA.execute(
+        tiny_flux_patcher(seed=3), dataset, "kt_preview", "none", preview=settings_node, **common
+    ).args
+    assert with_previews[2]["loss"] == plain[2]["loss"]
+    images = with_previews[3]
+    assert images.shape == (1, 64, 64, 3) and torch.isfinite(images).all() and float(images.std()) > 0
+    job_previews = mods.job.MANAGER.current.snapshot().previews
+    assert [p["step"] for p in job_previews] == [4] and job_previews[0]["type"] == "temp"

@@ -15,4 +15,5 @@ export const PAYLOAD_FIELDS = [
   "seconds_per_step",
   "eta_seconds",
   "message",
+  "previews",
 ];

@@ -1,5 +1,6 @@
 // Kontext Trainer: a live panel on every TrainLoRA node: progress bar, step / total, loss and
-// smoothed loss as a small chart, learning rate, seconds per step, ETA and status. It listens
+// smoothed loss as a small chart, learning rate, seconds per step, ETA, status and the latest
+// PreviewSampler images. It listens
 // to the one training event (training_events.js) and, after a page reload, redraws itself from
 // GET /kontext_trainer/progress. State per node id lives in window.KontextTrainer.panels.
 import { PROGRESS_EVENT } from "./training_events.js";
@@ -57,6 +58,7 @@ function render(nodeId) {
       p && p.seconds_per_step ? `lr ${p.lr.toExponential(2)} · ${p.seconds_per_step.toFixed(2)} s/step · ETA ${formatSeconds(p.eta_seconds)}` : "";
     element.querySelector(".kt-message").textContent = p?.message ?? "";
     drawChart(element.querySelector("canvas"), state.losses);
+    renderPreviews(element.querySelector(".kt-previews"), p?.previews ?? []);
   }
 }
 
@@ -65,6 +67,22 @@ const ENDED = ["finished", "cancelled", "error"];
 async function fetchState() {
   const response = await api.fetchApi("/kontext_trainer/progress");
   return response.json();
+}
+
+function renderPreviews(container, previews) {
+  const key = previews.map((p) => p.filename).join("|");
+  if (container.dataset.key === key) return; // unchanged: keep the loaded images
+  container.dataset.key = key;
+  container.replaceChildren(
+    ...previews.map((p) => {
+      const image = document.createElement("img");
+      const query = new URLSearchParams({ filename: p.filename, subfolder: p.subfolder, type: p.type });
+      image.src = api.apiURL(`/view?${query}`);
+      image.title = `step ${p.step}`;
+      image.style.cssText = "width:64px;height:64px;object-fit:cover;border-radius:3px";
+      return image;
+    }),
+  );
 }
 
 function update(payload, losses) {
@@ -92,6 +110,7 @@ function panelElement() {
     <div><span class="kt-status">idle</span> · <span class="kt-step"></span></div>
     <div class="kt-loss"></div><div class="kt-speed"></div>
     <canvas width="240" height="80" style="width:100%;height:80px"></canvas>
+    <div class="kt-previews" style="display:flex;gap:4px;flex-wrap:wrap"></div>
     <div class="kt-message" style="opacity:.7"></div>`;
   return element;
 }
@@ -109,7 +128,7 @@ app.registerExtension({
     node.addDOMWidget("training_panel", "div", node.ktTrainingPanel, {
       serialize: false,
       hideOnZoom: false,
-      getMinHeight: () => 170,
+      getMinHeight: () => 240,
     });
     setTimeout(() => render(String(node.id))); // the id is final once the graph has added the node
   },
