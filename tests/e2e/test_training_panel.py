@@ -101,7 +101,7 @@ def test_panel_follows_a_run_and_draws_the_chart(comfy_page, server, dataset):
     assert prompt_id
 
 
-def test_panel_is_restored_after_a_reload(comfy_page, server, dataset):
+def test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab(comfy_page, chromium, server, dataset):
     graph = training_graph(dataset, "kt_panel_reload", steps=100_000)
     show_graph(comfy_page, graph)
     queued = server.post_json("/prompt", {"prompt": graph})
@@ -123,6 +123,19 @@ def test_panel_is_restored_after_a_reload(comfy_page, server, dataset):
         assert len(route["losses"]) >= 3 and route["node"] == "5"
         restored = panel_state(comfy_page)
         assert restored["points"] >= 3
+        # a second tab, opened mid-run, follows the same run live (events go to every client)
+        second = chromium.new_page()
+        try:
+            second.goto(server.url)
+            second.wait_for_function(
+                "() => (window.KontextTrainer?.panels?.['5']?.progress?.step ?? 0) > 0", timeout=60_000
+            )
+            seen = second.evaluate("() => window.KontextTrainer.panels['5'].progress.step")
+            second.wait_for_function(
+                f"() => window.KontextTrainer.panels['5'].progress.step > {seen}", timeout=60_000
+            )
+        finally:
+            second.close()
     finally:
         server.post_json("/interrupt", {})
         server.history(queued["prompt_id"], timeout=120)
