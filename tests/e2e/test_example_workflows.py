@@ -51,15 +51,13 @@ def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
         assert consumers, f"the MODEL output of node {node_id} is not used"
 
 
-def prepare_names(server):
-    """Files under the names the workflows use (demo assets stand in for the real models;
-    validation checks names, not contents)."""
+def prepare_names(server, paths):
+    """Files under the names the workflows use (the demo assets, `paths`, stand in for the real
+    models; validation checks names, not contents)."""
     from PIL import Image
 
     import demo_assets
-    from kt_testing.paths import asset_cache_dir
 
-    paths = demo_assets.ensure_assets(asset_cache_dir())
     models = server.base_dir / "models"
     demo_assets.link_into_models(paths, models)
     stand_ins = {
@@ -85,12 +83,12 @@ def prepare_names(server):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_workflow_validates_on_the_server(server, path):
+def test_workflow_validates_on_the_server(server, stock_assets, path):
     """ComfyUI accepts the workflow's prompt (its own validation of every node and value); the
     queued run is then withdrawn."""
     import time
 
-    prepare_names(server)
+    prepare_names(server, stock_assets)
     source = REPO_ROOT / "example_workflows" / "api" / path.name
     assert source.is_file(), f"{path.name} has no API-format source in example_workflows/api/"
     queued = server.post_json("/prompt", {"prompt": json.loads(source.read_text())})
