@@ -156,34 +156,6 @@ class PreviewSampler(io.ComfyNode):
         )
 
     @classmethod
-    def execute(
-        cls,
-        positive,
-        vae,
-        every_n_steps,
-        steps,
-        cfg,
-        guidance,
-        width,
-        height,
-        seed,
-        sampler_name,
-        scheduler,
-        negative=None,
-    ) -> io.NodeOutput:
-        return io.NodeOutput(
-            PreviewSettings(
-                positive,
-                negative,
-                vae,
-                every_n_steps,
-                steps,
-                cfg,
-                guidance,
-                width,
-                height,
-                seed,
-                sampler_name,
-                scheduler,
-            )
-        )
+    def execute(cls, negative=None, **inputs) -> io.NodeOutput:
+        # the inputs are PreviewSettings' fields, by name
+        return io.NodeOutput(PreviewSettings(negative=negative, **inputs))

@@ -226,7 +226,17 @@ def test_previews_do_not_change_the_run(mods, dataset, pack_import):
     clip = tiny_clip(seed=2)
     positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
     settings_node = preview_sampler.PreviewSampler.execute(
-        positive, small_flux_vae(seed=1), 2, 2, 1.0, 1.0, 64, 64, 0, "euler", "simple"
+        positive=positive,
+        vae=small_flux_vae(seed=1),
+        every_n_steps=2,
+        steps=2,
+        cfg=1.0,
+        guidance=1.0,
+        width=64,
+        height=64,
+        seed=0,
+        sampler_name="euler",
+        scheduler="simple",
     ).args[0]
     mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
     common = settings(mods, steps=4, dropout=0.1, seed=3)
