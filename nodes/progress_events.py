@@ -8,7 +8,8 @@ PROGRESS_EVENT = "kontext_trainer.progress"
 STATUSES = ("queued", "running", "cancelled", "finished", "error")
 PAYLOAD_FIELDS = (
     "node",  # the TrainLoRA node's id in the graph
-    "prompt_id",
+    "prompt_id",  # the run: a new prompt id is a new run (the panel starts a new chart)
+    "workflow_id",  # the frontend workflow that queued it (null for API prompts)
     "lora_name",
     "status",  # one of STATUSES
     "step",  # optimizer steps done
@@ -19,6 +20,6 @@ PAYLOAD_FIELDS = (
     "seconds_per_step",  # mean of the recent steps
     "eta_seconds",
     "message",  # why it stopped (errors, cancel), else ""
-    "previews",  # the latest preview images, as /view references with their step
+    "previews",  # the recent preview images (up to 24, oldest first), /view references + step
 )
 MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second

@@ -8,6 +8,7 @@ from the field's metadata), so the node and the config cannot drift apart.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import numpy as np
 import torch
 from comfy_api.latest import io
 
-from ..trainer_core.checkpoint import all_checkpoints, load_checkpoint
+from ..trainer_core.checkpoint import all_checkpoints, read_state
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
@@ -24,9 +25,12 @@ from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
 from .training_job import MANAGER, Progress, wait_for
-from .training_run import LoraPaths, check_resume, run_training
+from .training_run import LoraPaths, Run, check_resume, run_training
 
 NO_RESUME = "none"
+CHECKPOINTS_FOLDER = "kontext_trainer_checkpoints"  # under ComfyUI's output folder
+LEGACY = "models/loras/"  # resume_from prefix of checkpoints in the layout before 0.2
+LOGGER = logging.getLogger("kontext_trainer")
 LossMap = io.Custom("LOSS_MAP")  # {"loss": [...]}: the type ComfyUI's own LossGraphNode reads
 
 
@@ -50,24 +54,101 @@ def loras_dir() -> Path:
     return Path(folder_paths.get_folder_paths("loras")[0])
 
 
-def resume_choices() -> list[str]:
-    """Every checkpoint under models/loras, as `<name>_checkpoints/<run>/step_NNNNNN`."""
+def checkpoints_root() -> Path:
+    """Checkpoints live in the output folder, where ComfyUI's LoRA lists never look (their
+    optimizer and RNG files are not LoRAs)."""
+    import folder_paths
+
+    return Path(folder_paths.get_output_directory()) / CHECKPOINTS_FOLDER
+
+
+_warned_legacy = False
+
+
+def legacy_checkpoints() -> list[str]:
+    """Checkpoints an earlier version left in `models/loras/<name>_checkpoints/` (they fill the
+    LoRA lists): still offered for resume, with a one-time hint to move them."""
+    global _warned_legacy
     root = loras_dir()
     found = []
+    for folder in sorted(root.glob("*_checkpoints")) if root.is_dir() else []:
+        found += [LEGACY + p.relative_to(root).as_posix() for p in all_checkpoints(folder)]
+    if found and not _warned_legacy:
+        _warned_legacy = True
+        LOGGER.warning(
+            "Kontext Trainer: checkpoints in %s/*_checkpoints show up in LoRA lists; move each "
+            "<name>_checkpoints folder to %s/<name> (see the README, 'Where files go')",
+            root,
+            checkpoints_root(),
+        )
+    return found
+
+
+def resume_choices() -> list[str]:
+    """Every checkpoint, as `<name>/<run>/step_NNNNNN` (plus any in the old layout)."""
+    root = checkpoints_root()
+    found = []
     if root.is_dir():
-        for folder in sorted(root.glob("*_checkpoints")):
+        for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found += [path.relative_to(root).as_posix() for path in all_checkpoints(folder)]
-    return [NO_RESUME, *found]
+    return [NO_RESUME, *found, *legacy_checkpoints()]
 
 
 def resolve_resume(choice: str) -> Path | None:
     if choice in ("", NO_RESUME):
         return None
-    root = loras_dir().resolve()
-    path = (root / choice).resolve()
+    root, relative = (
+        (loras_dir(), choice[len(LEGACY) :]) if choice.startswith(LEGACY) else (checkpoints_root(), choice)
+    )
+    root = root.resolve()
+    path = (root / relative).resolve()
     if root not in path.parents:
-        raise ValueError(f"resume_from: '{choice}' is not a checkpoint under models/loras")
+        raise ValueError(f"resume_from: '{choice}' is not a checkpoint of Kontext Trainer ({root})")
+    if not path.is_dir():
+        raise ValueError(f"resume_from: the checkpoint '{choice}' no longer exists; pick another or 'none'")
     return path
+
+
+def check_name_unique_in_prompt(prompt: dict | None, node: str, stem: str) -> None:
+    """Two TrainLoRA nodes of one prompt saving under one name would overwrite each other."""
+    others = []
+    for other_id, other in (prompt or {}).items():
+        name = other.get("inputs", {}).get("lora_name")
+        if str(other_id) == str(node) or other.get("class_type") != node_id("TrainLoRA"):
+            continue
+        if isinstance(name, str) and _stem_or_none(name) == stem:
+            others.append(str(other_id))
+    if others:
+        raise ValueError(
+            f"lora_name: TrainLoRA nodes {', '.join(sorted([str(node), *others]))} of this workflow all "
+            f"save as '{stem}.safetensors'; give each its own lora_name"
+        )
+
+
+def _stem_or_none(name: str) -> str | None:
+    try:
+        return lora_stem(name)
+    except ValueError:
+        return None
+
+
+def check_existing(paths: LoraPaths, overwrite: bool) -> bool:
+    """The overwrite policy: an existing LoRA is only replaced when `overwrite` is on (and then
+    only once the new file is complete). Returns whether one will be replaced."""
+    if not paths.lora.exists():
+        return False
+    if not overwrite:
+        raise ValueError(
+            f"lora_name: {paths.lora} already exists. Choose another lora_name, or turn on "
+            "overwrite to replace it (the old file stays until the new one is saved)"
+        )
+    return True
+
+
+def workflow_id(extra_pnginfo) -> str | None:
+    """The id of the frontend workflow that queued this prompt (None for API prompts)."""
+    workflow = (extra_pnginfo or {}).get("workflow") if isinstance(extra_pnginfo, dict) else None
+    return str(workflow["id"]) if isinstance(workflow, dict) and workflow.get("id") else None
 
 
 def _prompt_server():
@@ -80,8 +161,13 @@ class EventSender:
     """Sends PROGRESS_EVENT to every client when something changed, at most every
     MIN_INTERVAL_SECONDS except for status changes."""
 
-    def __init__(self, node: str, prompt_id: str | None, lora_name: str):
-        self.base = {"node": node, "prompt_id": prompt_id, "lora_name": lora_name}
+    def __init__(self, node: str, prompt_id: str | None, workflow: str | None, lora_name: str):
+        self.base = {
+            "node": node,
+            "prompt_id": prompt_id,
+            "workflow_id": workflow,
+            "lora_name": lora_name,
+        }
         self._last: Progress | None = None
         self._sent_at = 0.0
 
@@ -108,20 +194,28 @@ class TrainLoRA(io.ComfyNode):
             "thread; Cancel stops at a step boundary and writes a checkpoint to resume from.",
             is_output_node=True,
             not_idempotent=True,
-            hidden=[io.Hidden.unique_id],
+            hidden=[io.Hidden.unique_id, io.Hidden.prompt, io.Hidden.extra_pnginfo],
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL from the stock loader (a clone is trained)."),
                 Dataset.Input("dataset", tooltip="From LoadKontextDataset."),
                 io.String.Input(
                     "lora_name",
                     default="kontext_lora",
-                    tooltip="Saved as models/loras/<name>.safetensors; checkpoints in <name>_checkpoints/.",
+                    tooltip="Saved as models/loras/<name>.safetensors; checkpoints go to "
+                    "output/kontext_trainer_checkpoints/<name>/.",
+                ),
+                io.Boolean.Input(
+                    "overwrite",
+                    default=False,
+                    tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
+                    "(pick another name), on replaces it once the new LoRA is saved.",
                 ),
                 io.Combo.Input(
                     "resume_from",
                     options=resume_choices(),
                     default=NO_RESUME,
-                    tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...).",
+                    tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...); "
+                    "it is read, never changed: the continued run writes its own checkpoints.",
                 ),
                 *[config_widget(f) for f in dataclasses.fields(TrainConfig)],
                 Preview.Input(
@@ -148,33 +242,34 @@ class TrainLoRA(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, model, dataset, lora_name, resume_from, preview=None, **settings) -> io.NodeOutput:
+    def execute(
+        cls, model, dataset, lora_name, overwrite, resume_from, preview=None, **settings
+    ) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
         import comfy.utils
+        import folder_paths
 
-        paths = LoraPaths(loras_dir(), lora_stem(lora_name))
+        paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(lora_name))
+        node = str(cls.hidden.unique_id)
+        check_name_unique_in_prompt(cls.hidden.prompt, node, paths.stem)
         config = TrainConfig(**settings)
-        resume = None
-        if (resume_path := resolve_resume(resume_from)) is not None:
-            resume = load_checkpoint(resume_path)
-            check_resume(resume, config, dataset)
+        replaces = check_existing(paths, overwrite)
+        resume_path = resolve_resume(resume_from)
+        if resume_path is not None:  # only its state.json here: tensors load in the training thread
+            check_resume(read_state(resume_path), config, dataset)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)
-        send = EventSender(str(cls.hidden.unique_id), prompt_id, paths.lora.name)
+        send = EventSender(node, prompt_id, workflow_id(cls.hidden.extra_pnginfo), paths.lora.name)
 
         def on_poll(progress: Progress) -> None:
             send(progress)
             bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
 
-        import folder_paths
-
-        temp_dir = Path(folder_paths.get_temp_directory())
+        run = Run(paths, resume_path, replaces, Path(folder_paths.get_temp_directory()))
         job = MANAGER.start(
-            paths.stem,
-            lambda job: run_training(job, model, dataset, config, paths, resume, preview, temp_dir),
-            meta=send.base,
+            paths.stem, lambda job: run_training(job, model, dataset, config, run, preview), meta=send.base
         )
         outcome = wait_for(job, on_poll, comfy.model_management.throw_exception_if_processing_interrupted)
         comfy.model_management.soft_empty_cache()
@@ -182,7 +277,7 @@ class TrainLoRA(io.ComfyNode):
             raise comfy.model_management.InterruptProcessingException()
         trained, _ = comfy.sd.load_lora_for_models(model, None, outcome.lora_state, 1.0, 0)
         chart = draw_loss_chart(outcome.losses)
-        save_png_atomic(chart, paths.loras_dir / f"{paths.stem}_loss.png")
+        save_png_atomic(chart, paths.loss_chart)
         image = torch.from_numpy(np.asarray(chart, dtype=np.float32) / 255.0)[None]
         ui = {"lora_name": [paths.lora.name], "loss": outcome.losses}  # in /history, for scripts and the UI
         previews = outcome.previews if outcome.previews is not None else torch.zeros(1, 64, 64, 3)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -35,27 +36,61 @@ class Progress:
 
 
 class ProgressTracker:
-    """Turns StepInfos into Progress: EMA-smoothed loss, recent speed, ETA."""
+    """Turns StepInfos into Progress: EMA-smoothed loss, recent speed, ETA.
+
+    The ETA counts what will still run beside the steps: recurring work (previews every N
+    steps, checkpoints every M steps, each also at the end) registered with `recurring` and
+    timed with `timed`, at its mean measured duration times the number of times it is due."""
 
     def __init__(self, total: int, start_step: int = 0, beta: float = 0.9, window: int = 10):
         self.total, self.beta = total, beta
         self._ema, self._count = 0.0, 0
         self._times: deque[float] = deque(maxlen=window)
+        self._recurring: dict[str, tuple[int, bool]] = {}
+        self._durations: dict[str, list[float]] = {}
         self.progress = Progress(status="running", step=start_step, total=total)
+
+    def recurring(self, kind: str, every: int, at_end: bool) -> None:
+        self._recurring[kind] = (every, at_end)
+
+    @contextlib.contextmanager
+    def timed(self, kind: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._durations.setdefault(kind, []).append(time.perf_counter() - started)
+            self.progress = replace(self.progress, eta_seconds=self.eta(self.progress.step))
+
+    def due(self, kind: str, after_step: int) -> int:
+        """How often `kind` still runs after `after_step` (steps after_step+1 .. total)."""
+        every, at_end = self._recurring[kind]
+        count = (self.total - 1) // every - after_step // every  # multiples of every below total
+        finished_before = after_step >= self.total
+        return max(count, 0) + (1 if at_end and not finished_before else 0)
+
+    def eta(self, step: int) -> float | None:
+        if not self._times:
+            return None
+        per_step = sum(self._times) / len(self._times)
+        extra = 0.0
+        for kind, durations in self._durations.items():
+            if kind in self._recurring and durations:
+                extra += sum(durations) / len(durations) * self.due(kind, step)
+        return per_step * (self.total - step) + extra
 
     def update(self, info: StepInfo) -> Progress:
         self._count += 1
         self._ema = self.beta * self._ema + (1 - self.beta) * info.loss
         self._times.append(info.seconds)
-        per_step = sum(self._times) / len(self._times)
         self.progress = replace(
             self.progress,
             step=info.step,
             loss=info.loss,
             smoothed_loss=self._ema / (1 - self.beta**self._count),  # bias-corrected
             lr=info.learning_rate,
-            seconds_per_step=per_step,
-            eta_seconds=per_step * (self.total - info.step),
+            seconds_per_step=sum(self._times) / len(self._times),
+            eta_seconds=self.eta(info.step),
         )
         return self.progress
 

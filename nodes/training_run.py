@@ -1,10 +1,13 @@
 """The body of one training job (runs in the job's thread): dataset batches -> LoRA session ->
 loop, with checkpoints, the final LoRA file, and a clear outcome for every way it can end.
 
-Files (all atomic): the LoRA at `models/loras/<name>.safetensors`; checkpoints in the sibling
-folder `models/loras/<name>_checkpoints/<run date-time>/step_NNNNNN/`, one folder per run
-(a resumed run continues in its checkpoint's folder), the newest `keep_last` kept, and the
-final step always saved so a finished run can be continued with more steps.
+Files (all atomic): the LoRA at `models/loras/<name>.safetensors`; checkpoints (LoRA,
+optimizer and RNG state: not LoRAs to load, so never under models/loras where ComfyUI's LoRA
+lists look) in `output/kontext_trainer_checkpoints/<name>/<run date-time>/step_NNNNNN/`, one
+folder per run. A resumed run starts a new run folder of its own name: it never deletes or
+rewrites the checkpoints it resumed from, nor any other run's. Each run keeps its newest
+`keep_last` checkpoints; a checkpoint is written every `save_every` steps, when a run is
+cancelled, and at its last step (so a finished run can be continued with more steps).
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..trainer_core.checkpoint import Checkpoint, drop_after, new_run_folder, prune, save_checkpoint
+from ..trainer_core.checkpoint import load_checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
@@ -45,7 +48,8 @@ RESUME_MUST_MATCH = (
 
 @dataclass(frozen=True)
 class LoraPaths:
-    loras_dir: Path
+    loras_dir: Path  # models/loras: the LoRA file and its loss chart
+    checkpoints_root: Path  # output/kontext_trainer_checkpoints: every name's checkpoints
     stem: str
 
     @property
@@ -53,8 +57,12 @@ class LoraPaths:
         return self.loras_dir / f"{self.stem}{SUFFIX}"
 
     @property
+    def loss_chart(self) -> Path:
+        return self.loras_dir / f"{self.stem}_loss.png"
+
+    @property
     def checkpoints(self) -> Path:
-        return self.loras_dir / f"{self.stem}_checkpoints"
+        return self.checkpoints_root / self.stem
 
 
 @dataclass
@@ -71,22 +79,24 @@ def run_record(config: TrainConfig, dataset: KontextDataset) -> dict:
     return {**dataclasses.asdict(config), "dataset_hash": dataset.content_hash}
 
 
-def check_resume(checkpoint: Checkpoint, config: TrainConfig, dataset: KontextDataset) -> None:
-    current = run_record(config, dataset)
+def check_resume(state: dict, config: TrainConfig, dataset: KontextDataset) -> None:
+    """Refuse a resume that could not continue the checkpoint's run exactly. `state`: the
+    checkpoint's state.json (`checkpoint.read_state`)."""
+    current, saved, step = run_record(config, dataset), state["config"], int(state["step"])
     for name in RESUME_MUST_MATCH:
-        if checkpoint.config.get(name) != current[name]:
+        if saved.get(name) != current[name]:
             if name == "dataset_hash":
                 raise ValueError(
                     "resume_from: the checkpoint was trained on another dataset (other files, captions, "
                     "sizes, hold-out or encoders); resume with the dataset it was trained on"
                 )
             raise ValueError(
-                f"resume_from: the checkpoint was trained with {name}={checkpoint.config.get(name)!r} but "
+                f"resume_from: the checkpoint was trained with {name}={saved.get(name)!r} but "
                 f"this run has {name}={current[name]!r}; set it back to resume"
             )
-    if checkpoint.step >= config.steps:
+    if step >= config.steps:
         raise ValueError(
-            f"resume_from: the checkpoint is at step {checkpoint.step} and steps is {config.steps}; "
+            f"resume_from: the checkpoint is at step {step} and steps is {config.steps}; "
             "raise steps to train further"
         )
 
@@ -129,7 +139,11 @@ def _restore_global_rng(rng: dict[str, torch.Tensor]) -> None:
 def remove_stale_partials(paths: LoraPaths) -> list[Path]:
     """Temp files, staging folders and replaced checkpoints a crash left behind for this LoRA
     name (never visible under a real name, but they take space)."""
-    stale = [*paths.loras_dir.glob(f".{glob.escape(paths.lora.name)}.*.partial")]
+    stale = [
+        p
+        for name in (paths.lora.name, paths.loss_chart.name)
+        for p in paths.loras_dir.glob(f".{glob.escape(name)}.*.partial")
+    ]
     if paths.checkpoints.is_dir():
         folders = [paths.checkpoints, *(p for p in paths.checkpoints.iterdir() if p.is_dir())]
         stale += [p for f in folders for p in f.iterdir() if p.name.endswith((".partial", ".old"))]
@@ -141,18 +155,31 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
     return stale
 
 
+PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in the temp folder)
+PREVIEW_ROUNDS_OUT = 4  # preview rounds (each: one image per prompt) in the `previews` output
+
+
+@dataclass
+class Run:
+    """Where one training run writes, and what it says when it ends."""
+
+    paths: LoraPaths
+    resume: Path | None = None  # the checkpoint folder to continue from
+    replaces: bool = False  # the LoRA file exists and the user allowed overwriting it
+    temp_dir: Path | None = None  # ComfyUI's temp folder, for previews
+
+
 def run_training(
     job: TrainingJob,
     model,
     dataset: KontextDataset,
     config: TrainConfig,
-    paths: LoraPaths,
-    resume: Checkpoint | None = None,
+    run: Run,
     preview: PreviewSettings | None = None,
-    temp_dir: Path | None = None,
 ) -> TrainingOutcome:
     import comfy.model_management
 
+    paths = run.paths
     if not dataset.entries:
         raise ValueError("the dataset has no training samples (all held out?)")
     samples = {}
@@ -163,17 +190,22 @@ def run_training(
         return samples[index]
 
     remove_stale_partials(paths)
-    if resume is not None:  # continue in the checkpoint's run folder, replacing its later steps
-        run_folder = resume.path.parent
-        drop_after(run_folder, resume.step)
-    else:
-        run_folder = new_run_folder(paths.checkpoints)
+    # Loaded here, in the training thread (outside ComfyUI's inference mode).
+    resume = load_checkpoint(run.resume) if run.resume is not None else None
+    run_folder = new_run_folder(paths.checkpoints)  # a resume never touches the run it came from
+    record = run_record(config, dataset)
+    if resume is not None:
+        record["resumed_from"] = str(resume.path)
     order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
     metadata = config.file_metadata(
         config.steps, dataset.settings.resolution, base_model_name(dataset), dataset.content_hash
     )
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     tracker = ProgressTracker(config.steps, resume.step if resume else 0)
+    if preview is not None:
+        tracker.recurring("preview", preview.every_n_steps, at_end=True)
+    if config.save_every:
+        tracker.recurring("checkpoint", config.save_every, at_end=True)
     for loss in resume.losses if resume else []:
         job.record_loss(loss)
     estimate = vram_estimate(model, dataset, config)
@@ -182,6 +214,8 @@ def run_training(
         "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
     )
     job.report(tracker.progress, message=f"estimated VRAM {estimate}")
+    preview_refs: list[dict] = []
+    preview_rounds: list[torch.Tensor] = []
 
     # Tell ComfyUI's loader what training needs beside the weights, so it leaves room for it.
     working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
@@ -196,22 +230,28 @@ def run_training(
             )
 
         def save(step: int, result: TrainResult) -> Path:
-            path = save_checkpoint(
-                run_folder,
-                step,
-                session.lora.modules(),
-                result.optimizer,
-                _rng_state(result.generator),
-                result.losses,
-                run_record(config, dataset),
-                {**metadata, "ss_steps": str(step)},
-            )
-            prune(run_folder, config.keep_last)
+            with tracker.timed("checkpoint"):
+                path = save_checkpoint(
+                    run_folder,
+                    step,
+                    session.lora.modules(),
+                    result.optimizer,
+                    _rng_state(result.generator),
+                    result.losses,
+                    record,
+                    {**metadata, "ss_steps": str(step)},
+                )
+                prune(run_folder, config.keep_last)
             return path
 
-        def previews(step: int) -> torch.Tensor | None:
-            images = sample_previews(session, preview, config.layout)
-            job.report(previews=tuple(save_previews(images, temp_dir, paths.stem, step)))
+        def previews(step: int) -> torch.Tensor:
+            with tracker.timed("preview"):
+                images = sample_previews(session, preview, config.layout)
+                preview_refs.extend(save_previews(images, run.temp_dir, paths.stem, step))
+            del preview_refs[:-PREVIEW_HISTORY]
+            preview_rounds.append(images)
+            del preview_rounds[:-PREVIEW_ROUNDS_OUT]
+            job.report(tracker.progress, previews=tuple(preview_refs))
             return images
 
         def on_step(info) -> bool:
@@ -247,10 +287,14 @@ def run_training(
             ) from None
         if result.stopped_early:
             checkpoint = save(result.steps, result)
-            job.report(status="cancelled", message=f"stopped at step {result.steps}; checkpoint {checkpoint}")
+            job.report(
+                status="cancelled",
+                message=f"stopped at step {result.steps}; resume from {checkpoint_choice(paths, checkpoint)}",
+            )
             return TrainingOutcome(result.losses, cancelled=True, checkpoint=checkpoint)
         save(config.steps, result)  # the final step too: a finished run can be continued
-        final_previews = previews(config.steps) if preview is not None else None
+        if preview is not None:
+            previews(config.steps)
         state = session.save(
             paths.lora,
             config.steps,
@@ -259,8 +303,15 @@ def run_training(
             dataset.content_hash,
         )
         lora_state = _read_back(state)
-    job.report(status="finished", message=str(paths.lora))
+    replaced = " (replaced the previous file, overwrite is on)" if run.replaces else ""
+    job.report(status="finished", message=f"saved {paths.lora}{replaced}")
+    final_previews = torch.cat(preview_rounds) if preview_rounds else None
     return TrainingOutcome(result.losses, lora_state, previews=final_previews)
+
+
+def checkpoint_choice(paths: LoraPaths, checkpoint: Path) -> str:
+    """How a checkpoint appears in TrainLoRA's resume_from list."""
+    return checkpoint.relative_to(paths.checkpoints_root).as_posix()
 
 
 def _read_back(path: Path) -> dict[str, torch.Tensor]:

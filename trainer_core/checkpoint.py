@@ -6,7 +6,9 @@ A checkpoint is a folder `step_000120/` holding
   rng.safetensors        torch's global RNG (CPU, and CUDA if present) and the objective's generator
   state.json             step, losses, the config, optimizer param groups and scalar state
 It is written into a temporary sibling folder and renamed into place, so a crash leaves the
-previous checkpoint and never a half-written one. `prune` keeps the newest K.
+previous checkpoint and never a half-written one. `prune` keeps the newest K of one run.
+Checkpoints are never written where ComfyUI looks for LoRAs: the node puts them under
+`output/kontext_trainer_checkpoints/` (see nodes/training_run.py).
 """
 
 from __future__ import annotations
@@ -15,13 +17,13 @@ import json
 import os
 import re
 import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from .atomic import fsync_file, new_temp_folder
 from .lora_file import LoraModule, from_state_dict, load, save_atomic, to_state_dict
 
 STEP_FOLDER = re.compile(r"^step_(\d{6,})$")
@@ -77,7 +79,7 @@ def save_checkpoint(
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / step_folder_name(step)
-    staging = Path(tempfile.mkdtemp(prefix=f".{final.name}.", suffix=".partial", dir=folder))
+    staging = new_temp_folder(final)
     try:
         optimizer_tensors, optimizer_extra = _flatten_optimizer(optimizer.state_dict())
         save_atomic(to_state_dict(lora), staging / "lora.safetensors", lora_metadata)
@@ -85,8 +87,7 @@ def save_checkpoint(
         save_atomic({k: v.contiguous().cpu() for k, v in rng.items()}, staging / "rng.safetensors")
         state = {"step": step, "losses": losses, "config": config, "optimizer": optimizer_extra}
         (staging / "state.json").write_text(json.dumps(state), encoding="utf-8")
-        with open(staging / "state.json", "rb") as handle:
-            os.fsync(handle.fileno())
+        fsync_file(staging / "state.json")
         if final.exists():
             retired = final.with_name(final.name + ".old")
             shutil.rmtree(retired, ignore_errors=True)
@@ -101,13 +102,29 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
+def read_state(path: Path) -> dict:
+    """A checkpoint's state.json (step, losses, config): enough to check a resume before
+    anything heavy is loaded. Names the folder and what is missing when it is incomplete."""
     path = Path(path)
     needed = ["lora.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
     missing = [name for name in needed if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-    state = json.loads((path / "state.json").read_text(encoding="utf-8"))
+    return json.loads((path / "state.json").read_text(encoding="utf-8"))
+
+
+def _ordinary(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors as ordinary (non-inference) tensors. ComfyUI runs nodes under
+    `torch.inference_mode()`, where everything loaded is an inference tensor; an optimizer
+    later updates its state in place outside that mode, which inference tensors refuse."""
+    with torch.inference_mode(False):
+        return {key: value.clone() if value.is_inference() else value for key, value in tensors.items()}
+
+
+def load_checkpoint(path: Path) -> Checkpoint:
+    """Everything a resume needs, as ordinary tensors whatever mode the caller is in."""
+    path = Path(path)
+    state = read_state(path)
     lora_tensors, _ = load(path / "lora.safetensors")
     optimizer_tensors, _ = load(path / "optimizer.safetensors")
     rng, _ = load(path / "rng.safetensors")
@@ -116,9 +133,9 @@ def load_checkpoint(path: Path) -> Checkpoint:
         int(state["step"]),
         [float(x) for x in state["losses"]],
         state["config"],
-        from_state_dict(lora_tensors),
-        _unflatten_optimizer(optimizer_tensors, state["optimizer"]),
-        rng,
+        from_state_dict(_ordinary(lora_tensors)),
+        _unflatten_optimizer(_ordinary(optimizer_tensors), state["optimizer"]),
+        _ordinary(rng),
     )
 
 
@@ -151,14 +168,6 @@ def all_checkpoints(root: Path) -> list[Path]:
         return []
     runs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     return [path for run in runs for path in list_checkpoints(run)]
-
-
-def drop_after(folder: Path, step: int) -> list[Path]:
-    """Delete the checkpoints of `folder` beyond `step` (a resume from `step` replaces them)."""
-    doomed = [p for p in list_checkpoints(folder) if int(STEP_FOLDER.match(p.name).group(1)) > step]
-    for path in doomed:
-        shutil.rmtree(path)
-    return doomed
 
 
 def prune(folder: Path, keep_last: int) -> list[Path]:

@@ -8,8 +8,6 @@ the Flux weight `<module>.weight` and applies W + strength * (alpha / rank) * B 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +15,8 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+
+from .atomic import write_atomic
 
 KEY_PREFIX = "diffusion_model."
 
@@ -114,20 +114,9 @@ def save_atomic(
     state: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
 ) -> Path:
     """Write a safetensors file whole or not at all: a temp file in the same folder, flushed,
-    then renamed over the destination. An existing file stays intact if anything fails."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(dict(state), tmp_name, metadata=dict(metadata or {}))
-        with open(tmp_name, "rb") as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    return path
+    then renamed over the destination. An existing file stays intact if anything fails; the
+    new file gets the umask's permissions."""
+    return write_atomic(path, lambda tmp: save_file(dict(state), str(tmp), metadata=dict(metadata or {})))
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

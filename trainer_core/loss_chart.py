@@ -3,13 +3,13 @@ for TrainLoRA's IMAGE output and the PNG saved beside the LoRA."""
 
 from __future__ import annotations
 
-import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageDraw
+
+from .atomic import write_atomic
 
 BACKGROUND = (24, 24, 27)
 GRID = (60, 60, 66)
@@ -45,16 +45,7 @@ def chart_points(
 
 def save_png_atomic(image: Image.Image, path: Path) -> Path:
     """Write a PNG whole or not at all (temp file in the same folder, then rename)."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".partial", dir=path.parent)
-    os.close(fd)
-    try:
-        image.save(tmp, format="PNG")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    return write_atomic(path, lambda tmp: image.save(tmp, format="PNG"))
 
 
 def draw_loss_chart(

@@ -44,12 +44,37 @@ def chromium():
         browser.close()
 
 
+TOASTS_JS = """() => [...document.querySelectorAll('.p-toast-message')]
+    .filter((t) => t.offsetParent !== null).map((t) => t.innerText.trim())"""
+
+
+def watch_for_problems(page) -> None:
+    """Record everything a user would see as a problem: uncaught page errors, console errors,
+    alert / confirm / prompt dialogs (dismissed); `page.ui_problems()` adds visible toasts."""
+    problems: list[str] = []
+    page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
+    page.on(
+        "console",
+        lambda message: (
+            problems.append(f"console error: {message.text}") if message.type == "error" else None
+        ),
+    )
+
+    def on_dialog(dialog):
+        problems.append(f"{dialog.type}: {dialog.message}")
+        dialog.dismiss()
+
+    page.on("dialog", on_dialog)
+    page.page_errors = problems  # kept under its old name too
+    page.ui_problems = lambda: [*problems, *(f"toast: {t}" for t in page.evaluate(TOASTS_JS))]
+
+
 @pytest.fixture
 def comfy_page(chromium, server):
-    """The real ComfyUI frontend, loaded, with the pack's extensions registered."""
+    """The real ComfyUI frontend, loaded, with the pack's extensions registered. Tests end
+    with `assert not comfy_page.ui_problems()` (errors, dialogs and toasts the user would see)."""
     page = chromium.new_page()
-    errors: list[str] = []
-    page.on("pageerror", lambda exc: errors.append(str(exc)))
+    watch_for_problems(page)
     page.goto(server.url)
     # The pack's extensions register after the core ones: wait for ours.
     page.wait_for_function(
@@ -63,6 +88,5 @@ def comfy_page(chromium, server):
         arg=node_types,
         timeout=60_000,
     )
-    page.page_errors = errors
     yield page
     page.close()

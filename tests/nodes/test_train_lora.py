@@ -216,7 +216,7 @@ def test_event_constants_match_the_web_extension(mods):
     assert js_list("STATUSES") == list(mods.events.STATUSES)
     assert js_list("PAYLOAD_FIELDS") == list(mods.events.PAYLOAD_FIELDS)
     progress_fields = [f.name for f in dataclasses.fields(mods.job.Progress)]
-    assert set(mods.events.PAYLOAD_FIELDS) == {"node", "prompt_id", "lora_name", *progress_fields}
+    assert set(mods.events.PAYLOAD_FIELDS) == {"node", "prompt_id", "workflow_id", "lora_name", *progress_fields}
 
 
 def test_previews_do_not_change_the_run(mods, dataset, pack_import):

@@ -3,20 +3,23 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 import torch
+from PIL import Image
 
 from trainer_core.checkpoint import (
     all_checkpoints,
-    drop_after,
     list_checkpoints,
     load_checkpoint,
     new_run_folder,
     prune,
     save_checkpoint,
 )
-from trainer_core.lora_file import LoraModule
+from trainer_core.lora_file import LoraModule, load, save_atomic
+from trainer_core.loss_chart import save_png_atomic
 
 
 def state(seed=0):
@@ -96,7 +99,7 @@ def test_prune_keeps_the_newest(tmp_path):
     assert prune(tmp_path, 0) == []
 
 
-def test_run_folders_and_dropping_later_steps(tmp_path):
+def test_run_folders_are_listed_run_by_run(tmp_path):
     lora, optimizer, rng = state()
     first, second = new_run_folder(tmp_path), new_run_folder(tmp_path)
     assert first != second and first.parent == tmp_path
@@ -109,5 +112,50 @@ def test_run_folders_and_dropping_later_steps(tmp_path):
         f"{first.name}/step_000003",
         f"{second.name}/step_000001",
     ]
-    assert [p.name for p in drop_after(first, 1)] == ["step_000002", "step_000003"]
-    assert [p.name for p in list_checkpoints(first)] == ["step_000001"]
+
+
+def test_a_checkpoint_loaded_in_inference_mode_can_be_updated_in_place(tmp_path):
+    """ComfyUI runs nodes under torch.inference_mode(): whatever they load there must still
+    be usable by an optimizer that updates its state in place in the training thread."""
+    lora, optimizer, rng = state()
+    path = save_checkpoint(tmp_path, 1, lora, optimizer, rng, [1.0], {})
+    with torch.inference_mode():
+        loaded = load_checkpoint(path)
+    tensors = [*rng_values(loaded), *optimizer_values(loaded)]
+    assert tensors and not any(t.is_inference() for t in tensors)
+    for tensor in tensors:
+        tensor.add_(0)  # raises for an inference tensor outside inference mode
+    with torch.inference_mode():
+        raw = load(path / "optimizer.safetensors")[0]
+    with pytest.raises(RuntimeError, match=r"[Ii]nference tensor"):
+        next(iter(raw.values())).add_(0)  # the failure the conversion prevents
+
+
+def rng_values(checkpoint):
+    return list(checkpoint.rng.values())
+
+
+def optimizer_values(checkpoint):
+    return [
+        v
+        for values in checkpoint.optimizer_state["state"].values()
+        for v in values.values()
+        if torch.is_tensor(v)
+    ] + [m.down for m in checkpoint.lora.values()]
+
+
+def test_files_follow_the_umask(tmp_path):
+    lora, optimizer, rng = state()
+    previous = os.umask(0o022)
+    try:
+        path = save_checkpoint(tmp_path / "run", 1, lora, optimizer, rng, [1.0], {})
+        chart = save_png_atomic(Image.new("RGB", (4, 4)), tmp_path / "chart.png")
+        os.umask(0o027)
+        strict = save_atomic({"x": torch.zeros(1)}, tmp_path / "strict.safetensors")
+    finally:
+        os.umask(previous)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o755
+    for name in ("lora.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"):
+        assert stat.S_IMODE((path / name).stat().st_mode) == 0o644, name
+    assert stat.S_IMODE(chart.stat().st_mode) == 0o644
+    assert stat.S_IMODE(strict.stat().st_mode) == 0o640

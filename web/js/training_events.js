@@ -1,10 +1,11 @@
 // Kontext Trainer: the websocket event TrainLoRA sends while it trains. The same constants
-// live in nodes/progress_events.py; tests/nodes/test_training_events.py keeps them equal.
+// live in nodes/progress_events.py; tests/nodes/test_train_lora.py keeps them equal.
 export const PROGRESS_EVENT = "kontext_trainer.progress";
 export const STATUSES = ["queued", "running", "cancelled", "finished", "error"];
 export const PAYLOAD_FIELDS = [
   "node",
   "prompt_id",
+  "workflow_id",
   "lora_name",
   "status",
   "step",

@@ -1,0 +1,78 @@
+"""Atomic writes that respect the user's umask.
+
+A file is written to a hidden temp sibling (`.<name>.<random>.partial`), flushed and renamed
+over its destination, so a crash leaves either the old file or the new one, never half of one.
+`tempfile.mkstemp` / `mkdtemp` would create the temp with mode 0600 / 0700 whatever the umask;
+here files are created with 0666 and folders with 0777 and the kernel applies the umask, so
+the results get the same permissions as ComfyUI's own outputs (0644 / 0755 under umask 022).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import stat
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+PARTIAL = ".partial"
+# The longest temp name we form is ".<name>.<12 hex>.partial": 22 bytes around the name.
+TEMP_NAME_OVERHEAD = len(".") + 1 + 12 + len(PARTIAL)
+
+
+def temp_sibling(path: Path) -> Path:
+    """An unused hidden temp name beside `path` (never visible under a real name)."""
+    return path.with_name(f".{path.name}.{secrets.token_hex(6)}{PARTIAL}")
+
+
+def new_temp_file(path: Path) -> Path:
+    """Create (exclusively) an empty temp file beside `path`, mode 0666 minus the umask."""
+    while True:
+        candidate = temp_sibling(path)
+        try:
+            os.close(os.open(candidate, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666))
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def new_temp_folder(path: Path) -> Path:
+    """Create an empty temp folder beside `path`, mode 0777 minus the umask."""
+    while True:
+        candidate = temp_sibling(path)
+        try:
+            candidate.mkdir(mode=0o777)
+            return candidate
+        except FileExistsError:
+            continue
+
+
+def fsync_file(path: Path) -> None:
+    with open(path, "rb") as handle:
+        os.fsync(handle.fileno())
+
+
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """`with replacing(dest) as tmp: write(tmp)`: on success `tmp` is flushed and renamed over
+    `dest`; on any error it is removed and `dest` is left as it was."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = new_temp_file(path)
+    mode = stat.S_IMODE(tmp.stat().st_mode)  # 0666 minus the umask, as the kernel made it
+    try:
+        yield tmp
+        os.chmod(tmp, mode)  # some writers (safetensors) replace the file with a 0600 one
+        fsync_file(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
+    """Write `path` whole or not at all with `write(temp_path)`."""
+    with replacing(path) as tmp:
+        write(tmp)
+    return Path(path)
