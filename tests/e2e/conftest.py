@@ -53,12 +53,12 @@ def watch_for_problems(page) -> None:
     alert / confirm / prompt dialogs (dismissed); `page.ui_problems()` adds visible toasts."""
     problems: list[str] = []
     page.on("pageerror", lambda exc: problems.append(f"page error: {exc}"))
-    page.on(
-        "console",
-        lambda message: (
-            problems.append(f"console error: {message.text}") if message.type == "error" else None
-        ),
-    )
+
+    def on_console(message):
+        if message.type == "error":
+            problems.append(f"console error: {message.text}")
+
+    page.on("console", on_console)
 
     def on_dialog(dialog):
         problems.append(f"{dialog.type}: {dialog.message}")
