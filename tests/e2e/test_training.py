@@ -31,6 +31,10 @@ def loras(server) -> Path:
     return server.base_dir / "models" / "loras"
 
 
+def checkpoints(server, name: str) -> Path:
+    return server.base_dir / "output" / "kontext_trainer_checkpoints" / name
+
+
 def progress_events(messages):
     return [m["data"] for m in messages if m["type"] == PROGRESS_EVENT]
 
@@ -90,7 +94,7 @@ def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, data
     finally:
         ws.close()
     assert messages[-1]["type"] == "execution_interrupted", messages[-1]
-    saved = all_checkpoints(loras(server) / "kt_e2e_cancel_checkpoints")
+    saved = all_checkpoints(checkpoints(server, "kt_e2e_cancel"))
     assert len(saved) == 1 and load_checkpoint(saved[0]).step >= interrupted_at
     assert progress_events(messages)[-1]["status"] == "cancelled"
     assert not (loras(server) / "kt_e2e_cancel.safetensors").exists()
@@ -104,7 +108,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(server, dataset):
     )
     assert messages[-1]["type"] == "execution_error", messages[-1]
     assert "the loss became nan" in messages[-1]["data"]["exception_message"]
-    for path in all_checkpoints(loras(server) / "kt_e2e_nan_checkpoints"):
+    for path in all_checkpoints(checkpoints(server, "kt_e2e_nan")):
         checkpoint = load_checkpoint(path)
         assert all(loss == loss for loss in checkpoint.losses)  # no NaN ever saved
     assert not (loras(server) / "kt_e2e_nan.safetensors").exists()
@@ -130,14 +134,14 @@ def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
             "/prompt",
             {
                 "prompt": training_graph(
-                    data, "kt_atomic", steps=400, save_every=1, rank=64, alpha=64.0, seed=1
+                    data, "kt_atomic", overwrite=True, steps=400, save_every=1, rank=64, alpha=64.0, seed=1
                 )
             },
         )
-        checkpoints = loras(server) / "kt_atomic_checkpoints"
+        saved = checkpoints(server, "kt_atomic")
         deadline, caught = time.monotonic() + 240, None
         while time.monotonic() < deadline and caught is None:
-            runs = [p for p in checkpoints.iterdir() if p.is_dir()] if checkpoints.is_dir() else []
+            runs = [p for p in saved.iterdir() if p.is_dir()] if saved.is_dir() else []
             for folder in (*runs, loras(server)):
                 caught = next((p for p in folder.iterdir() if p.name.endswith(".partial")), None)
                 if caught is not None:
@@ -146,13 +150,13 @@ def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
         assert caught is not None, "no save was seen in progress"
     assert lora.read_bytes() == previous
     assert load(lora)[0]  # still a valid safetensors file
-    for path in all_checkpoints(checkpoints):
+    for path in all_checkpoints(saved):
         load_checkpoint(path)  # every visible checkpoint is complete
 
     with ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS) as server:  # the next run tidies up
-        _, again = server.run_prompt(training_graph(data, "kt_atomic", steps=1))
+        _, again = server.run_prompt(training_graph(data, "kt_atomic", overwrite=True, steps=1))
         assert again[-1]["type"] == "execution_success"
-    assert not [p for p in checkpoints.rglob("*") if p.name.endswith((".partial", ".old"))]
+    assert not [p for p in saved.rglob("*") if p.name.endswith((".partial", ".old"))]
     assert not list(loras(server).glob(".*.partial"))
 
 

@@ -4,6 +4,7 @@ classes, so the product's nodes run unchanged, fast, in a real server. Plus two 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import sys
 from pathlib import Path
@@ -78,6 +79,34 @@ class PoisonDataset:
         return (dataclasses.replace(dataset, entries=entries),)
 
 
+class FailingDataset:
+    """The same dataset (same content hash: a resume accepts it) whose sample reads fail after
+    `after_reads` of them, as a disk that goes away mid-run would."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("KONTEXT_DATASET",)
+    FUNCTION = "wrap"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {"dataset": ("KONTEXT_DATASET",), "after_reads": ("INT", {"default": 0, "min": 0})}
+        }
+
+    def wrap(self, dataset, after_reads):
+        reads = []
+
+        def sample(self, entry, **kwargs):
+            reads.append(entry.name)
+            if len(reads) > after_reads:
+                raise OSError(f"kt test: reading sample {entry.name} failed")
+            return type(dataset).sample(self, entry, **kwargs)
+
+        failing = copy.copy(dataset)
+        failing.__class__ = type("FailingDataset", (type(dataset),), {"sample": sample})
+        return (failing,)
+
+
 class ModelDifference:
     """Max |difference| of two MODELs' outputs on a fixed input, shown as UI output."""
 
@@ -100,5 +129,6 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_SmallFluxVAE": SmallFluxVAE,
     "KTTest_TinyCLIP": TinyCLIP,
     "KTTest_PoisonDataset": PoisonDataset,
+    "KTTest_FailingDataset": FailingDataset,
     "KTTest_ModelDifference": ModelDifference,
 }

@@ -9,7 +9,13 @@ from trainer_core.config import TrainConfig
 
 
 def training_graph(
-    dataset: Path, lora_name: str, poison: bool = False, preview_every: int = 0, **overrides
+    dataset: Path,
+    lora_name: str,
+    poison: bool = False,
+    preview_every: int = 0,
+    overwrite: bool = False,
+    resume_from: str = "none",
+    **overrides,
 ) -> dict:
     settings = {f: getattr(TrainConfig(), f) for f in TrainConfig.__dataclass_fields__}
     settings.update(rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
@@ -40,7 +46,8 @@ def training_graph(
                 "model": ["1", 0],
                 "dataset": ["6" if poison else "4", 0],
                 "lora_name": lora_name,
-                "resume_from": "none",
+                "overwrite": overwrite,
+                "resume_from": resume_from,
                 **settings,
             },
         },

@@ -1,0 +1,168 @@
+"""What a user does with runs and files, through a real ComfyUI server (where every node runs
+under torch.inference_mode()): Cancel then resume in a new prompt with exactly the losses of
+an uninterrupted run, continuing a finished run, resumes that fail or use another name never
+touching the checkpoints they came from, LoRA lists holding only LoRAs, and the overwrite
+policy for an existing LoRA name."""
+
+from __future__ import annotations
+
+import pytest
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.graphs import training_graph
+from kt_testing.runs import (
+    checkpoints_root,
+    error_of,
+    losses_of,
+    progress_events,
+    run_and_interrupt,
+    snapshot,
+)
+from trainer_core.lora_file import load
+
+# Every random part of a step on: LoRA dropout, caption dropout, input-perturbation noise.
+RECIPE = {"dropout": 0.1, "caption_dropout": 0.3, "ip_noise_gamma": 0.1, "seed": 11, "steps": 40}
+TRAIN_LORA = "KontextTrainer_TrainLoRA"
+
+
+@pytest.fixture(scope="module")
+def dataset(server):
+    return write_one_folder(
+        server.base_dir / "input" / "kt_resume_set", ["a", "b", "c"], references=1, size=(64, 64)
+    )
+
+
+def loras(server):
+    return server.base_dir / "models" / "loras"
+
+
+def combo_options(server, node_type: str, name: str) -> list[str]:
+    """A dropdown's choices as the frontend gets them from /object_info."""
+    spec = server.get_json(f"/object_info/{node_type}")[node_type]["input"]["required"][name]
+    return spec[0] if isinstance(spec[0], list) else spec[1]["options"]
+
+
+def checkpoint_choices(server, name: str) -> list[str]:
+    return [c for c in combo_options(server, TRAIN_LORA, "resume_from") if c.startswith(f"{name}/")]
+
+
+def succeeded(messages) -> None:
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adafactor"])
+def test_cancel_then_resume_gives_the_uninterrupted_losses(server, dataset, optimizer):
+    recipe = {**RECIPE, "optimizer": optimizer}
+    full_id, full = server.run_prompt(training_graph(dataset, f"kt_full_{optimizer}", **recipe))
+    succeeded(full)
+    uninterrupted = losses_of(server, full_id)
+    assert len(uninterrupted) == RECIPE["steps"]
+
+    cut = run_and_interrupt(server, training_graph(dataset, f"kt_cut_{optimizer}", **recipe), at_step=3)
+    assert cut[-1]["type"] == "execution_interrupted", cut[-1]
+    final = progress_events(cut)[-1]
+    assert final["status"] == "cancelled"
+    choice = final["message"].split("resume from ")[1]  # the node says what to pick
+    assert choice in checkpoint_choices(server, f"kt_cut_{optimizer}")
+    stopped_at = int(choice.rsplit("_", 1)[1])
+    assert 3 <= stopped_at < RECIPE["steps"]
+    original_run = checkpoints_root(server) / choice.rsplit("/", 1)[0]
+    before = snapshot(original_run)
+
+    resumed_id, resumed = server.run_prompt(
+        training_graph(dataset, f"kt_cut_{optimizer}", resume_from=choice, **recipe)
+    )
+    succeeded(resumed)
+    resumed_losses = losses_of(server, resumed_id)
+    print(f"\n{optimizer}: cancelled at step {stopped_at}; step, uninterrupted, resumed:")
+    for step, (a, b) in enumerate(zip(uninterrupted, resumed_losses, strict=True), 1):
+        print(f"  {step:3d}  {a:.6f}  {b:.6f}{'  <- resumed' if step == stopped_at + 1 else ''}")
+    assert resumed_losses == uninterrupted  # exactly, on CPU
+    assert snapshot(original_run) == before  # the checkpoint resumed from is untouched
+
+    # a finished run continues with more steps (its final step was checkpointed)
+    last = checkpoint_choices(server, f"kt_full_{optimizer}")[-1]
+    assert last.endswith(f"step_{RECIPE['steps']:06d}")
+    more_id, more = server.run_prompt(
+        training_graph(
+            dataset, f"kt_full_{optimizer}", overwrite=True, resume_from=last, **{**recipe, "steps": 44}
+        )
+    )
+    succeeded(more)
+    continued = losses_of(server, more_id)
+    assert continued[: RECIPE["steps"]] == uninterrupted and len(continued) == 44
+
+
+def test_failed_resumes_and_other_names_never_touch_the_original_run(server, dataset):
+    settings = {"steps": 6, "save_every": 2, "keep_last": 3, "seed": 4}
+    first_id, first = server.run_prompt(training_graph(dataset, "kt_keep", **settings))
+    succeeded(first)
+    choices = checkpoint_choices(server, "kt_keep")
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000002", "step_000004", "step_000006"]
+    root = checkpoints_root(server) / "kt_keep"
+    before, lora_before = snapshot(root), (loras(server) / "kt_keep.safetensors").read_bytes()
+
+    # refused by its checks (another rank): nothing changes
+    _, refused = server.run_prompt(
+        training_graph(dataset, "kt_keep_b", resume_from=choices[0], **{**settings, "rank": 4})
+    )
+    assert "rank=2 but this run has rank=4" in error_of(refused)
+    assert snapshot(root) == before
+
+    # fails while training (its data becomes unreadable), under the same name
+    graph = training_graph(dataset, "kt_keep", overwrite=True, resume_from=choices[0], **settings)
+    graph["9"] = {"class_type": "KTTest_FailingDataset", "inputs": {"dataset": ["4", 0], "after_reads": 0}}
+    graph["5"]["inputs"]["dataset"] = ["9", 0]
+    _, failed = server.run_prompt(graph)
+    assert "reading sample" in error_of(failed)
+    after = snapshot(root)
+    assert {k: after.get(k) for k in before} == before  # every checkpoint of the run is still there
+    assert (loras(server) / "kt_keep.safetensors").read_bytes() == lora_before
+
+    # resumed under another name: the original run and LoRA stay exactly as they were
+    other_id, other = server.run_prompt(
+        training_graph(dataset, "kt_keep_other", resume_from=choices[1], **settings)
+    )
+    succeeded(other)
+    assert losses_of(server, other_id)[:4] == losses_of(server, first_id)[:4]
+    assert snapshot(root) == after
+    assert (loras(server) / "kt_keep.safetensors").read_bytes() == lora_before
+    assert [c.rsplit("/", 1)[1] for c in checkpoint_choices(server, "kt_keep_other")] == ["step_000006"]
+
+
+def test_lora_lists_hold_only_loras(server, dataset):
+    _, messages = server.run_prompt(training_graph(dataset, "kt_listed", steps=3, save_every=1, keep_last=0))
+    succeeded(messages)
+    assert len(checkpoint_choices(server, "kt_listed")) == 3  # the run did write checkpoints
+    for node_type, field in (("LoraLoaderModelOnly", "lora_name"), ("LoraLoader", "lora_name")):
+        listed = combo_options(server, node_type, field)
+        assert "kt_listed.safetensors" in listed
+        for name in listed:
+            tensors, _ = load(loras(server) / name)
+            assert tensors, name
+            assert all(k.endswith((".lora_A.weight", ".lora_B.weight", ".alpha")) for k in tensors), name
+
+
+def test_an_existing_lora_is_never_replaced_silently(server, dataset):
+    lora = loras(server) / "kt_twice.safetensors"
+    _, first = server.run_prompt(training_graph(dataset, "kt_twice", steps=2))
+    succeeded(first)
+    original = lora.read_bytes()
+
+    _, again = server.run_prompt(training_graph(dataset, "kt_twice", steps=2, seed=1))
+    message = error_of(again)
+    assert "kt_twice.safetensors already exists" in message and "overwrite" in message
+    assert lora.read_bytes() == original
+
+    _, replaced = server.run_prompt(training_graph(dataset, "kt_twice", overwrite=True, steps=2, seed=1))
+    succeeded(replaced)
+    assert "replaced the previous file" in progress_events(replaced)[-1]["message"]
+    assert lora.read_bytes() != original
+
+    # two TrainLoRA nodes of one workflow with one name: refused before either trains
+    graph = training_graph(dataset, "kt_pair", steps=2)
+    graph["9"] = {**graph["5"], "inputs": {**graph["5"]["inputs"], "seed": 1}}
+    _, pair = server.run_prompt(graph)
+    assert "TrainLoRA nodes 5, 9 of this workflow all save as 'kt_pair.safetensors'" in error_of(pair)
+    assert not (loras(server) / "kt_pair.safetensors").exists()
+    assert not (checkpoints_root(server) / "kt_pair").exists()
