@@ -42,12 +42,20 @@ class ProgressTracker:
     steps, checkpoints every M steps, each also at the end) registered with `recurring` and
     timed with `timed`, at its mean measured duration times the number of times it is due."""
 
-    def __init__(self, total: int, start_step: int = 0, beta: float = 0.9, window: int = 10):
-        self.total, self.beta = total, beta
+    def __init__(
+        self,
+        total: int,
+        start_step: int = 0,
+        beta: float = 0.9,
+        window: int = 10,
+        clock: Callable[[], float] = time.perf_counter,
+    ):
+        self.total, self.beta, self._clock = total, beta, clock
         self._ema, self._count = 0.0, 0
         self._times: deque[float] = deque(maxlen=window)
         self._recurring: dict[str, tuple[int, bool]] = {}
         self._durations: dict[str, list[float]] = {}
+        self._done_at_end: set[str] = set()
         self.progress = Progress(status="running", step=start_step, total=total)
 
     def recurring(self, kind: str, every: int, at_end: bool) -> None:
@@ -55,19 +63,21 @@ class ProgressTracker:
 
     @contextlib.contextmanager
     def timed(self, kind: str):
-        started = time.perf_counter()
+        started = self._clock()
         try:
             yield
         finally:
-            self._durations.setdefault(kind, []).append(time.perf_counter() - started)
+            self._durations.setdefault(kind, []).append(self._clock() - started)
+            if self.progress.step >= self.total:
+                self._done_at_end.add(kind)
             self.progress = replace(self.progress, eta_seconds=self.eta(self.progress.step))
 
     def due(self, kind: str, after_step: int) -> int:
-        """How often `kind` still runs after `after_step` (steps after_step+1 .. total)."""
+        """How often `kind` still runs after step `after_step`: at the multiples of `every`
+        below the total, plus once after the last step (unless that one has run)."""
         every, at_end = self._recurring[kind]
-        count = (self.total - 1) // every - after_step // every  # multiples of every below total
-        finished_before = after_step >= self.total
-        return max(count, 0) + (1 if at_end and not finished_before else 0)
+        count = max((self.total - 1) // every - after_step // every, 0)
+        return count + (1 if at_end and kind not in self._done_at_end else 0)
 
     def eta(self, step: int) -> float | None:
         if not self._times:
