@@ -1,5 +1,6 @@
-"""TrainLoRA in the real runtime (in-process): files, outputs, resume, cancel, NaN, names,
-one job at a time, and the event constants shared with the web extension."""
+"""TrainLoRA in the real runtime, run through ComfyUI's own executor (inference mode, prompt
+thread, hidden inputs): files, outputs, resume, cancel, NaN, names, the overwrite policy, one
+job at a time, and the event constants shared with the web extension."""
 
 from __future__ import annotations
 
@@ -15,9 +16,12 @@ import pytest
 import torch
 
 from kt_testing.datasets import write_one_folder
+from kt_testing.executor import InGraph, run_node
 from kt_testing.paths import REPO_ROOT
 from kt_testing.probes import model_output
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
+
+TRAIN = "KontextTrainer_TrainLoRA"
 
 
 @pytest.fixture(scope="module")
@@ -38,20 +42,20 @@ def dataset(mods, tmp_path_factory):
     root = write_one_folder(
         tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=1, size=(64, 64)
     )
-    node = mods.data.LoadKontextDataset
-    return node.execute(
-        small_flux_vae(seed=1),
-        tiny_clip(seed=2),
-        mods.data.USE_PATH,
-        str(root),
-        256,
-        64,
-        0,
-        "white",
-        0,
-        0,
-        str(tmp_path_factory.mktemp("cache")),
-    ).args[0]
+    inputs = {
+        "vae": InGraph(lambda: small_flux_vae(seed=1)),
+        "clip": InGraph(lambda: tiny_clip(seed=2)),
+        "folder": mods.data.USE_PATH,
+        "path": str(root),
+        "resolution": 256,
+        "reference_resolution": 64,
+        "min_size": 0,
+        "background": "white",
+        "hold_out": 0,
+        "seed": 0,
+        "cache_folder": str(tmp_path_factory.mktemp("cache")),
+    }
+    return run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
 
 
 def settings(mods, **overrides):
@@ -61,11 +65,22 @@ def settings(mods, **overrides):
     return defaults
 
 
-def train(mods, dataset, name, resume="none", model=None, **overrides):
-    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
-    return mods.node.TrainLoRA.execute(
-        model or tiny_flux_patcher(seed=3), dataset, name, resume, **settings(mods, **overrides)
-    ).args[:3]  # MODEL, name, loss map (the chart is checked on its own)
+def run_train(mods, dataset, name, resume="none", overwrite=False, preview=None, **overrides):
+    """TrainLoRA through ComfyUI's executor, on a tiny Flux built inside it (like a loader's)."""
+    inputs = {
+        "model": InGraph(lambda: tiny_flux_patcher(seed=3)),
+        "dataset": dataset,
+        "lora_name": name,
+        "overwrite": overwrite,
+        "resume_from": resume,
+        "preview": preview,
+        **settings(mods, **overrides),
+    }
+    return run_node(TRAIN, inputs, node_id="7", extra_pnginfo={"workflow": {"id": "wf-test"}})
+
+
+def train(mods, dataset, name, **kwargs):
+    return run_train(mods, dataset, name, **kwargs).outputs[:3]  # MODEL, name, loss map
 
 
 def loras_dir():
@@ -74,24 +89,32 @@ def loras_dir():
     return Path(folder_paths.get_folder_paths("loras")[0])
 
 
+def checkpoints_dir(name):
+    import folder_paths
+
+    return Path(folder_paths.get_output_directory()) / "kontext_trainer_checkpoints" / name
+
+
 def test_trains_saves_and_outputs_the_trained_model(mods, dataset, comfy_runtime):
-    model, name, loss_map = train(mods, dataset, "kt_node_run", steps=3)
+    result = run_train(mods, dataset, "kt_node_run", steps=3)
+    model, name, loss_map = result.outputs[:3]
     assert name == "kt_node_run.safetensors" and (loras_dir() / name).is_file()
-    assert len(loss_map["loss"]) == 3
+    assert len(loss_map["loss"]) == 3 and result.ui["loss"] == loss_map["loss"]
+    events = result.events(mods.events.PROGRESS_EVENT)
+    assert events[-1]["status"] == "finished" and events[-1]["workflow_id"] == "wf-test"
+    assert events[-1]["node"] == "7" and events[-1]["prompt_id"] == result.prompt_id
     # The output MODEL is the input with the saved file applied the stock way.
-    stock = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(
-        tiny_flux_patcher(seed=3), name, 1.0
-    )[0]
+    stock = run_node(
+        "LoraLoaderModelOnly",
+        {"model": InGraph(lambda: tiny_flux_patcher(seed=3)), "lora_name": name, "strength_model": 1.0},
+    ).outputs[0]
     # conditioning as the tiny CLIP makes it: 77 tokens of 48, pooled 48
     outputs = [model_output(patcher, text=(77, 48), pooled=48) for patcher in (model, stock)]
     assert torch.equal(outputs[0], outputs[1])
 
 
 def test_loss_chart_output_and_file(mods, dataset):
-    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
-    outputs = mods.node.TrainLoRA.execute(
-        tiny_flux_patcher(seed=3), dataset, "kt_chart", "none", **settings(mods, steps=3)
-    ).args
+    outputs = run_train(mods, dataset, "kt_chart", steps=3).outputs
     previews, chart = outputs[3], outputs[4]
     assert previews.shape == (1, 64, 64, 3) and float(previews.abs().max()) == 0  # no PreviewSampler: black
     assert (
@@ -117,7 +140,7 @@ def test_widgets_come_from_the_config(mods):
 
 def test_resume_continues_with_identical_losses(mods, dataset):
     _, _, uninterrupted = train(mods, dataset, "kt_resume_a", steps=6, save_every=3, dropout=0.1, seed=5)
-    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_resume_a_checkpoints/")]
+    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_resume_a/")]
     # one run folder, with the step-3 checkpoint and the final step (a finished run can go on)
     assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000003", "step_000006"]
     checkpoint, final = choices
@@ -126,22 +149,62 @@ def test_resume_continues_with_identical_losses(mods, dataset):
     )
     assert resumed["loss"] == uninterrupted["loss"]  # steps 1-3 from the checkpoint, 4-6 trained again
     _, _, extended = train(
-        mods, dataset, "kt_resume_a", resume=final, steps=8, save_every=3, dropout=0.1, seed=5
+        mods,
+        dataset,
+        "kt_resume_a",
+        resume=final,
+        overwrite=True,
+        steps=8,
+        save_every=3,
+        dropout=0.1,
+        seed=5,
     )
     assert extended["loss"][:6] == uninterrupted["loss"] and len(extended["loss"]) == 8
+    # every run kept its own checkpoints: the resumed-from run still has steps 3 and 6
+    assert [c for c in mods.node.resume_choices() if c.startswith("kt_resume_a/")][:2] == choices
     with pytest.raises(ValueError, match="checkpoint was trained with rank=2 but this run has rank=4"):
         train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, rank=4, seed=5)
     with pytest.raises(ValueError, match="optimizer='adamw' but this run has optimizer='adafactor'"):
         train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, optimizer="adafactor", seed=5)
 
 
+def test_checkpoints_of_the_old_layout_still_resume(mods, dataset):
+    """Before 0.2, checkpoints lived in models/loras/<name>_checkpoints/ (where they filled the
+    LoRA lists): they are still offered, and resume exactly."""
+    import shutil
+
+    _, _, uninterrupted = train(mods, dataset, "kt_legacy", steps=4, save_every=2, seed=2)
+    run = next(checkpoints_dir("kt_legacy").iterdir())
+    legacy = loras_dir() / "kt_legacy_checkpoints" / run.name
+    shutil.copytree(run, legacy)
+    try:
+        choice = f"models/loras/kt_legacy_checkpoints/{run.name}/step_000002"
+        assert choice in mods.node.resume_choices()
+        _, _, resumed = train(mods, dataset, "kt_legacy_b", resume=choice, steps=4, save_every=2, seed=2)
+        assert resumed["loss"] == uninterrupted["loss"]
+    finally:
+        shutil.rmtree(legacy.parent)
+
+
 def test_runs_under_one_name_keep_their_own_checkpoints(mods, dataset):
     train(mods, dataset, "kt_two_runs", steps=4, save_every=1, keep_last=2)
-    train(mods, dataset, "kt_two_runs", steps=2, save_every=1, keep_last=2)
-    runs = sorted((loras_dir() / "kt_two_runs_checkpoints").iterdir())
+    train(mods, dataset, "kt_two_runs", overwrite=True, steps=2, save_every=1, keep_last=2)
+    runs = sorted(checkpoints_dir("kt_two_runs").iterdir())
     assert len(runs) == 2
     kept = [[p.name for p in mods.checkpoint.list_checkpoints(run)] for run in runs]
     assert kept == [["step_000003", "step_000004"], ["step_000001", "step_000002"]]
+    assert not list(loras_dir().glob("kt_two_runs_checkpoints"))  # nothing where LoRA lists look
+
+
+def test_an_existing_lora_needs_overwrite(mods, dataset):
+    train(mods, dataset, "kt_exists", steps=1)
+    before = (loras_dir() / "kt_exists.safetensors").read_bytes()
+    with pytest.raises(ValueError, match=r"kt_exists\.safetensors already exists.*turn on overwrite"):
+        train(mods, dataset, "kt_exists", steps=1, seed=9)
+    assert (loras_dir() / "kt_exists.safetensors").read_bytes() == before
+    result = run_train(mods, dataset, "kt_exists", overwrite=True, steps=1, seed=9)
+    assert "replaced the previous file" in result.events(mods.events.PROGRESS_EVENT)[-1]["message"]
+    assert (loras_dir() / "kt_exists.safetensors").read_bytes() != before
 
 
 def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods, dataset):
@@ -163,10 +226,11 @@ def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods,
     presser.join()
     job = mods.job.MANAGER.current
     assert not job.running and job.snapshot().status == "cancelled", (job.error, job.snapshot())
-    saved = mods.checkpoint.all_checkpoints(loras_dir() / "kt_cancel_checkpoints")
+    saved = mods.checkpoint.all_checkpoints(checkpoints_dir("kt_cancel"))
     assert len(saved) == 1
     stopped_at = mods.checkpoint.load_checkpoint(saved[0]).step
     assert 2 <= stopped_at < 10_000
+    assert job.snapshot().message.endswith(f"resume from kt_cancel/{saved[0].parent.name}/{saved[0].name}")
     assert not (loras_dir() / "kt_cancel.safetensors").exists()
     _, _, losses = train(mods, dataset, "kt_after_cancel", steps=2)  # the next prompt runs normally
     assert len(losses["loss"]) == 2
@@ -181,7 +245,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(mods, dataset):
     with pytest.raises(Exception, match=r"the loss became nan at step (\d+)") as caught:
         train(mods, poisoned, "kt_nan", steps=20, save_every=1, batch_size=1)
     step = int(re.search(r"step (\d+)", str(caught.value)).group(1))
-    saved = mods.checkpoint.all_checkpoints(loras_dir() / "kt_nan_checkpoints")
+    saved = mods.checkpoint.all_checkpoints(checkpoints_dir("kt_nan"))
     if step > 1:
         last = mods.checkpoint.load_checkpoint(saved[-1])
         assert last.step == step - 1 and all(torch.isfinite(torch.tensor(last.losses)))
@@ -216,38 +280,42 @@ def test_event_constants_match_the_web_extension(mods):
     assert js_list("STATUSES") == list(mods.events.STATUSES)
     assert js_list("PAYLOAD_FIELDS") == list(mods.events.PAYLOAD_FIELDS)
     progress_fields = [f.name for f in dataclasses.fields(mods.job.Progress)]
-    assert set(mods.events.PAYLOAD_FIELDS) == {"node", "prompt_id", "workflow_id", "lora_name", *progress_fields}
+    assert set(mods.events.PAYLOAD_FIELDS) == {
+        "node",
+        "prompt_id",
+        "workflow_id",
+        "lora_name",
+        *progress_fields,
+    }
 
 
-def test_previews_do_not_change_the_run(mods, dataset, pack_import):
+def test_previews_do_not_change_the_run(mods, dataset):
     """Sampling previews between steps (own noise generator, global RNG restored) leaves the
-    training losses exactly as without previews; the last previews come out as IMAGE."""
-    preview_sampler = pack_import("nodes.preview_sampler")
+    training losses exactly as without previews; the preview rounds come out as IMAGE and the
+    node lists each round's images with their step."""
     clip = tiny_clip(seed=2)
     positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
-    settings_node = preview_sampler.PreviewSampler.execute(
-        positive=positive,
-        vae=small_flux_vae(seed=1),
-        every_n_steps=2,
-        steps=2,
-        cfg=1.0,
-        guidance=1.0,
-        width=64,
-        height=64,
-        seed=0,
-        sampler_name="euler",
-        scheduler="simple",
-    ).args[0]
-    mods.node.TrainLoRA.hidden = type("Hidden", (), {"unique_id": "7"})()
-    common = settings(mods, steps=4, dropout=0.1, seed=3)
-    plain = mods.node.TrainLoRA.execute(
-        tiny_flux_patcher(seed=3), dataset, "kt_no_preview", "none", **common
-    ).args
-    with_previews = mods.node.TrainLoRA.execute(
-        tiny_flux_patcher(seed=3), dataset, "kt_preview", "none", preview=settings_node, **common
-    ).args
+    preview = run_node(
+        "KontextTrainer_PreviewSampler",
+        {
+            "positive": positive,
+            "vae": InGraph(lambda: small_flux_vae(seed=1)),
+            "every_n_steps": 2,
+            "steps": 2,
+            "cfg": 1.0,
+            "guidance": 1.0,
+            "width": 64,
+            "height": 64,
+            "seed": 0,
+            "sampler_name": "euler",
+            "scheduler": "simple",
+        },
+    ).outputs[0]
+    common = {"steps": 4, "dropout": 0.1, "seed": 3}
+    plain = run_train(mods, dataset, "kt_no_preview", **common).outputs
+    with_previews = run_train(mods, dataset, "kt_preview", preview=preview, **common).outputs
     assert with_previews[2]["loss"] == plain[2]["loss"]
-    images = with_previews[3]
-    assert images.shape == (1, 64, 64, 3) and torch.isfinite(images).all() and float(images.std()) > 0
+    images = with_previews[3]  # the rounds at step 2 and at the end, one prompt each
+    assert images.shape == (2, 64, 64, 3) and torch.isfinite(images).all() and float(images.std()) > 0
     job_previews = mods.job.MANAGER.current.snapshot().previews
-    assert [p["step"] for p in job_previews] == [4] and job_previews[0]["type"] == "temp"
+    assert [p["step"] for p in job_previews] == [2, 4] and job_previews[0]["type"] == "temp"
