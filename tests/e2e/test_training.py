@@ -13,11 +13,10 @@ import pytest
 from kt_testing.datasets import write_one_folder
 from kt_testing.graphs import training_graph
 from kt_testing.paths import TEST_NODE_PACKS
+from kt_testing.runs import progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
 from trainer_core.checkpoint import all_checkpoints, load_checkpoint
 from trainer_core.lora_file import load
-
-PROGRESS_EVENT = "kontext_trainer.progress"
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +32,6 @@ def loras(server) -> Path:
 
 def checkpoints(server, name: str) -> Path:
     return server.base_dir / "output" / "kontext_trainer_checkpoints" / name
-
-
-def progress_events(messages):
-    return [m["data"] for m in messages if m["type"] == PROGRESS_EVENT]
 
 
 def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
@@ -68,34 +63,10 @@ def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
 
 
 def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, dataset):
-    ws, client_id = server.websocket()
-    try:
-        queued = server.post_json(
-            "/prompt",
-            {"prompt": training_graph(dataset, "kt_e2e_cancel", steps=100_000), "client_id": client_id},
-        )
-        messages, interrupted_at, deadline = [], None, time.monotonic() + 300
-        while time.monotonic() < deadline:
-            raw = ws.recv()
-            if not isinstance(raw, str):
-                continue
-            message = json.loads(raw)
-            messages.append(message)
-            data = message.get("data", {})
-            if message["type"] == PROGRESS_EVENT and data.get("step", 0) >= 2 and interrupted_at is None:
-                interrupted_at = data["step"]
-                server.post_json("/interrupt", {})
-            if data.get("prompt_id") == queued["prompt_id"] and message["type"] in (
-                "execution_interrupted",
-                "execution_success",
-                "execution_error",
-            ):
-                break
-    finally:
-        ws.close()
+    messages = run_and_interrupt(server, training_graph(dataset, "kt_e2e_cancel", steps=100_000), at_step=2)
     assert messages[-1]["type"] == "execution_interrupted", messages[-1]
     saved = all_checkpoints(checkpoints(server, "kt_e2e_cancel"))
-    assert len(saved) == 1 and load_checkpoint(saved[0]).step >= interrupted_at
+    assert len(saved) == 1 and load_checkpoint(saved[0]).step >= 2
     assert progress_events(messages)[-1]["status"] == "cancelled"
     assert not (loras(server) / "kt_e2e_cancel.safetensors").exists()
     _, after = server.run_prompt(training_graph(dataset, "kt_e2e_after_cancel", steps=2))

@@ -26,19 +26,7 @@ def training_graph(
         "3": {"class_type": "KTTest_TinyCLIP", "inputs": {"seed": 2}},
         "4": {
             "class_type": "KontextTrainer_LoadKontextDataset",
-            "inputs": {
-                "vae": ["2", 0],
-                "clip": ["3", 0],
-                "folder": "(absolute path below)",
-                "path": str(dataset),
-                "resolution": 256,
-                "reference_resolution": 64,
-                "min_size": 0,
-                "background": "white",
-                "hold_out": 0,
-                "seed": 0,
-                "cache_folder": "",
-            },
+            "inputs": dataset_inputs(["2", 0], ["3", 0], dataset),
         },
         "5": {
             "class_type": "KontextTrainer_TrainLoRA",
@@ -56,21 +44,44 @@ def training_graph(
         graph["7"] = {"class_type": "CLIPTextEncode", "inputs": {"clip": ["3", 0], "text": "make it blue"}}
         graph["8"] = {
             "class_type": "KontextTrainer_PreviewSampler",
-            "inputs": {
-                "positive": ["7", 0],
-                "vae": ["2", 0],
-                "every_n_steps": preview_every,
-                "steps": 2,
-                "cfg": 1.0,
-                "guidance": 1.0,
-                "width": 64,
-                "height": 64,
-                "seed": 0,
-                "sampler_name": "euler",
-                "scheduler": "simple",
-            },
+            "inputs": preview_inputs(["7", 0], ["2", 0], preview_every),
         }
         graph["5"]["inputs"]["preview"] = ["8", 0]
     if poison:
         graph["6"] = {"class_type": "KTTest_PoisonDataset", "inputs": {"dataset": ["4", 0], "index": 1}}
     return graph
+
+
+def preview_inputs(positive, vae, every_n_steps: int) -> dict:
+    """PreviewSampler's inputs for the tiny models: 64 px, 2 sampling steps, seed 0."""
+    return {
+        "positive": positive,
+        "vae": vae,
+        "every_n_steps": every_n_steps,
+        "steps": 2,
+        "cfg": 1.0,
+        "guidance": 1.0,
+        "width": 64,
+        "height": 64,
+        "seed": 0,
+        "sampler_name": "euler",
+        "scheduler": "simple",
+    }
+
+
+def dataset_inputs(vae, clip, folder: Path, cache_folder: str = "") -> dict:
+    """LoadKontextDataset's inputs for the tiny models: the folder by absolute path, 256 px
+    targets, 64 px references."""
+    return {
+        "vae": vae,
+        "clip": clip,
+        "folder": "(absolute path below)",
+        "path": str(folder),
+        "resolution": 256,
+        "reference_resolution": 64,
+        "min_size": 0,
+        "background": "white",
+        "hold_out": 0,
+        "seed": 0,
+        "cache_folder": cache_folder,
+    }

@@ -17,6 +17,7 @@ import torch
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
+from kt_testing.graphs import dataset_inputs, preview_inputs
 from kt_testing.paths import REPO_ROOT
 from kt_testing.probes import model_output
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
@@ -42,19 +43,8 @@ def dataset(mods, tmp_path_factory):
     root = write_one_folder(
         tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=1, size=(64, 64)
     )
-    inputs = {
-        "vae": InGraph(lambda: small_flux_vae(seed=1)),
-        "clip": InGraph(lambda: tiny_clip(seed=2)),
-        "folder": mods.data.USE_PATH,
-        "path": str(root),
-        "resolution": 256,
-        "reference_resolution": 64,
-        "min_size": 0,
-        "background": "white",
-        "hold_out": 0,
-        "seed": 0,
-        "cache_folder": str(tmp_path_factory.mktemp("cache")),
-    }
+    vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2))
+    inputs = dataset_inputs(vae, clip, root, str(tmp_path_factory.mktemp("cache")))
     return run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
 
 
@@ -295,22 +285,8 @@ def test_previews_do_not_change_the_run(mods, dataset):
     node lists each round's images with their step."""
     clip = tiny_clip(seed=2)
     positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
-    preview = run_node(
-        "KontextTrainer_PreviewSampler",
-        {
-            "positive": positive,
-            "vae": InGraph(lambda: small_flux_vae(seed=1)),
-            "every_n_steps": 2,
-            "steps": 2,
-            "cfg": 1.0,
-            "guidance": 1.0,
-            "width": 64,
-            "height": 64,
-            "seed": 0,
-            "sampler_name": "euler",
-            "scheduler": "simple",
-        },
-    ).outputs[0]
+    vae = InGraph(lambda: small_flux_vae(seed=1))
+    preview = run_node("KontextTrainer_PreviewSampler", preview_inputs(positive, vae, 2)).outputs[0]
     common = {"steps": 4, "dropout": 0.1, "seed": 3}
     plain = run_train(mods, dataset, "kt_no_preview", **common).outputs
     with_previews = run_train(mods, dataset, "kt_preview", preview=preview, **common).outputs
