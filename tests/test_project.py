@@ -62,3 +62,55 @@ def test_web_badge_version_matches_pyproject():
     version = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
     js = (REPO / "web" / "js" / "about.js").read_text()
     assert re.search(r'PACK_VERSION = "([^"]+)"', js).group(1) == version
+
+
+# Node tests that still call nodes directly, until converted to kt_testing.executor.
+DIRECT_NODE_CALLS_ALLOWED = {
+    "tests/nodes/test_load_kontext_dataset.py",  # TODO: converting
+    "tests/nodes/test_multi_image_conditioning.py",  # TODO: converting
+}
+
+
+def _direct_node_calls(source: str) -> list[int]:
+    """Lines that run a node outside ComfyUI's executor: `X.execute(...)` (a V3 node), or a
+    FUNCTION on a node made from ComfyUI's `nodes` module (`nodes.CLIPTextEncode().encode(...)`)."""
+    lines = []
+    for node in ast.walk(ast.parse(source)):
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        owner = node.func.value
+        made_from_nodes = (
+            isinstance(owner, ast.Call)
+            and isinstance(owner.func, ast.Attribute)
+            and ast.unparse(owner.func.value).split(".")[-1] == "nodes"
+        )
+        if node.func.attr == "execute" or made_from_nodes:
+            lines.append(node.lineno)
+    return sorted(lines)
+
+
+def test_guard_recognises_direct_node_calls():
+    source = (
+        "TrainLoRA.execute(model)\n"
+        "node.LoadKontextDataset.execute(vae, clip).args\n"
+        "comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(m, 'a', 1.0)\n"
+        "nodes.CLIPTextEncode().encode(clip, 'x')\n"
+        "run_node('CLIPTextEncode', {'text': 'x'})\n"
+    )
+    assert _direct_node_calls(source) == [1, 2, 3, 4]
+
+
+def test_node_tests_run_nodes_through_comfyuis_executor():
+    """ComfyUI runs nodes in its prompt thread under torch.inference_mode(); a test that calls
+    a node directly cannot see the bugs that only exist there (a resume that updated inference
+    tensors in place passed such tests and failed on every real run). Use kt_testing.executor's
+    run_node / run_graph."""
+    tests = REPO / "tests"
+    files = sorted((tests / "nodes").rglob("*.py")) + sorted((tests / "kt_testing").rglob("*.py"))
+    offenders = []
+    for path in files:
+        name = path.relative_to(REPO).as_posix()
+        if name == "tests/kt_testing/executor.py" or name in DIRECT_NODE_CALLS_ALLOWED:
+            continue
+        offenders += [f"{name}:{line}" for line in _direct_node_calls(path.read_text())]
+    assert not offenders, "call nodes through kt_testing.executor.run_node / run_graph"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from kt_testing.executor import run_node
 from trainer_core.lora_file import LoraModule, save_atomic, to_state_dict
 
 
@@ -29,9 +30,10 @@ def test_stock_lora_loader_applies_our_file(comfy_runtime):
     loras_dir = folder_paths.get_folder_paths("loras")[0]
     save_atomic(to_state_dict(modules), f"{loras_dir}/kt_test_lora.safetensors")
 
-    (patched,) = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(
-        model, "kt_test_lora.safetensors", 1.0
-    )
+    (patched,) = run_node(
+        "LoraLoaderModelOnly",
+        {"model": model, "lora_name": "kt_test_lora.safetensors", "strength_model": 1.0},
+    ).outputs
 
     # Independent expectation: the same tiny Flux with the deltas added to its weights by hand.
     reference = tiny_flux_patcher(seed=7)

@@ -10,6 +10,7 @@ import importlib
 import pytest
 import torch
 
+from kt_testing.executor import run_node
 from kt_testing.probes import model_output, tiny_samples
 from kt_testing.tiny_models import tiny_flux_patcher
 
@@ -38,7 +39,7 @@ def sampling_output(model, transformer_options=None):
     return model_output(model, sigma=0.7, references=[(8, 6)], transformer_options=transformer_options)
 
 
-def stock_lora_model(comfy_runtime, core, model, name, seed):
+def stock_lora_model(core, model, name, seed):
     """`model` with a random LoRA applied by the stock LoraLoaderModelOnly."""
     import folder_paths
 
@@ -54,7 +55,13 @@ def stock_lora_model(comfy_runtime, core, model, name, seed):
         )
     path = f"{folder_paths.get_folder_paths('loras')[0]}/{name}"
     core.lora_file.save_atomic(core.lora_file.to_state_dict(modules), path)
-    (patched,) = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(model, name, 1.0)
+    return stock_lora_loader(model, name)
+
+
+def stock_lora_loader(model, name):
+    """ComfyUI's LoraLoaderModelOnly applied to `model`, run by ComfyUI's executor."""
+    inputs = {"model": model, "lora_name": name, "strength_model": 1.0}
+    (patched,) = run_node("LoraLoaderModelOnly", inputs).outputs
     return patched
 
 
@@ -86,7 +93,7 @@ def test_shared_model_is_bit_identical_after_training(ft, core, comfy_runtime, w
     def build(name):
         model = tiny_flux_patcher(seed=12)
         if with_stock_lora:
-            model = stock_lora_model(comfy_runtime, core, model, name, seed=1)
+            model = stock_lora_model(core, model, name, seed=1)
         return model
 
     # An identical, separately built MODEL gives the expected outputs and (loaded) weights,
@@ -132,9 +139,7 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, core, comf
         session.save(path, steps=4, resolution=64, base_model="flux1-kontext", dataset_hash="cafe")
     untrained = sampling_output(model)
 
-    loaded = comfy_runtime.nodes.LoraLoaderModelOnly().load_lora_model_only(
-        tiny_flux_patcher(seed=13), name, 1.0
-    )[0]
+    loaded = stock_lora_loader(tiny_flux_patcher(seed=13), name)
     from_file = sampling_output(loaded)
     assert (from_file - in_training).abs().max() <= 1e-5
     assert (in_training - untrained).abs().max() > 1e-3  # the LoRA did change the model

@@ -7,6 +7,8 @@ import logging
 import pytest
 import torch
 
+from kt_testing.executor import run_node
+
 pytestmark = pytest.mark.slow
 
 
@@ -21,7 +23,9 @@ def _no_missing_keys(caplog):
 
 def test_unet_loader_reads_the_demo_flux(comfy_runtime, stock_assets, caplog):
     caplog.set_level(logging.WARNING)
-    (model,) = comfy_runtime.nodes.UNETLoader().load_unet(stock_assets["flux"].name, "default")
+    (model,) = run_node(
+        "UNETLoader", {"unet_name": stock_assets["flux"].name, "weight_dtype": "default"}
+    ).outputs
     _no_missing_keys(caplog)
     config = model.model.model_config.unet_config
     assert config["hidden_size"] == 3072 and config["depth"] == 1 and config["depth_single_blocks"] == 1
@@ -37,7 +41,7 @@ def test_unet_loader_reads_the_demo_flux(comfy_runtime, stock_assets, caplog):
 
 def test_vae_loader_reads_the_ae_layout(comfy_runtime, stock_assets, caplog):
     caplog.set_level(logging.WARNING)
-    (vae,) = comfy_runtime.nodes.VAELoader().load_vae(stock_assets["vae"].name)
+    (vae,) = run_node("VAELoader", {"vae_name": stock_assets["vae"].name}).outputs
     _no_missing_keys(caplog)
     assert vae.latent_channels == 16
     with torch.no_grad():
@@ -47,16 +51,19 @@ def test_vae_loader_reads_the_ae_layout(comfy_runtime, stock_assets, caplog):
 
 def test_clip_loader_reads_the_clip_l_and_drives_the_demo_flux(comfy_runtime, stock_assets, caplog):
     caplog.set_level(logging.WARNING)
-    nodes = comfy_runtime.nodes
-    (clip,) = nodes.CLIPLoader().load_clip(stock_assets["clip"].name, "stable_diffusion")
+    (clip,) = run_node(
+        "CLIPLoader", {"clip_name": stock_assets["clip"].name, "type": "stable_diffusion"}
+    ).outputs
     _no_missing_keys(caplog)
-    (cond,) = nodes.CLIPTextEncode().encode(clip, "a red chair")
+    (cond,) = run_node("CLIPTextEncode", {"clip": clip, "text": "a red chair"}).outputs
     tokens, extras = cond[0]
     assert tokens.shape == (1, 77, 768) and extras["pooled_output"].shape == (1, 768)
-    (other,) = nodes.CLIPTextEncode().encode(clip, "a blue sofa")
+    (other,) = run_node("CLIPTextEncode", {"clip": clip, "text": "a blue sofa"}).outputs
     assert not torch.equal(other[0][0], tokens)  # the weights are real, the prompt matters
     # The CLIP-L embeddings fit the demo Flux's txt_in / vector_in.
-    (model,) = nodes.UNETLoader().load_unet(stock_assets["flux"].name, "default")
+    (model,) = run_node(
+        "UNETLoader", {"unet_name": stock_assets["flux"].name, "weight_dtype": "default"}
+    ).outputs
     with torch.no_grad():
         out = model.model.apply_model(
             torch.randn(1, 16, 4, 4),
