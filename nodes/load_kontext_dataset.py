@@ -43,7 +43,16 @@ def resolve_dataset_folder(folder: str, path: str, input_dir: Path) -> Path:
     input_dir = input_dir.resolve()
     chosen = (input_dir / folder).resolve()
     if chosen != input_dir and input_dir not in chosen.parents:
-        raise ValueError(f"folder: '{folder}' points outside ComfyUI's input directory")
+        spelled = Path(os.path.normpath(input_dir / folder))
+        if spelled == input_dir or input_dir in spelled.parents:  # inside by name: a link leads out
+            raise ValueError(
+                f"folder: '{folder}' is a link to {chosen}, outside ComfyUI's input directory, and "
+                f"links out of it are not followed; give the folder's real location in path: {chosen}"
+            )
+        raise ValueError(
+            f"folder: '{folder}' points outside ComfyUI's input directory; pick a folder inside it, "
+            "or give an absolute path in path"
+        )
     return chosen
 
 
@@ -58,6 +67,22 @@ def resolve_cache_folder(cache_folder: str, output_dir: Path) -> Path:
     return chosen
 
 
+def prepare_cache_folder(cache_root: Path) -> None:
+    """The cache folder exists and takes files, or a message naming the field and the fix."""
+    try:
+        EncodeCache(cache_root).prepare()
+    except OSError as error:
+        existing = next((p for p in (cache_root, *cache_root.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            reason = f"{existing} is a file, not a folder"
+        else:
+            reason = error.strerror or str(error)
+        raise ValueError(
+            f"cache_folder: cannot create or write to {cache_root} ({reason}); give a folder ComfyUI "
+            f"may create and write to, or leave cache_folder empty to use output/{CACHE_FOLDER_NAME}"
+        ) from None
+
+
 def folder_fingerprint(root: Path) -> str:
     """Names, sizes and modification times of the files under `root` (two levels): changes
     when the dataset changes, so ComfyUI re-runs the node."""
@@ -68,7 +93,11 @@ def folder_fingerprint(root: Path) -> str:
             if len(depth) >= 1:
                 subdirs[:] = []
             for name in sorted(files):
-                stat = (Path(directory) / name).stat()
+                try:
+                    stat = (Path(directory) / name).stat()
+                except OSError:  # a broken link, a file removed meanwhile: the scan will say so
+                    digest.update(f"{directory}/{name}|unreadable".encode())
+                    continue
                 digest.update(f"{directory}/{name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
     return digest.hexdigest()
 
@@ -200,6 +229,7 @@ class LoadKontextDataset(io.ComfyNode):
         if background not in BACKGROUNDS:
             raise ValueError(f"background: choose one of {', '.join(BACKGROUNDS)}")
         scan = scan_dataset(root, min_size=min_size)  # raises with every problem; nothing written
+        prepare_cache_folder(cache_root)
         settings = DatasetSettings(resolution, reference_resolution, BACKGROUNDS[background], hold_out, seed)
         bar = comfy.utils.ProgressBar(1)
         dataset = build_dataset(

@@ -28,11 +28,13 @@ LAYOUT_TOOLTIP = (
 
 
 def encode_references(vae, images: list[torch.Tensor], resolution: int) -> list[torch.Tensor]:
-    """Resize each reference with the shared size rule and VAE-encode it: raw latents."""
-    latents = []
+    """Resize each reference with the shared size rule and VAE-encode it: raw latents. Every
+    size is checked before the first encode, so a refused image costs no VAE time."""
     for number, image in enumerate(images, start=1):
+        check_side_cap(image.shape[2], image.shape[1], f"image_{number}")
+    latents = []
+    for image in images:
         batch, height, width = image.shape[0], image.shape[1], image.shape[2]
-        check_side_cap(width, height, f"image_{number}")
         new_w, new_h = fit_to_area(width, height, resolution)
         pixels = image[..., :3].float().cpu().numpy()
         resized = np.stack([resize_exact(pixels[b], new_w, new_h) for b in range(batch)])

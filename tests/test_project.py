@@ -66,7 +66,6 @@ def test_web_badge_version_matches_pyproject():
 
 # Node tests that still call nodes directly, until converted to kt_testing.executor.
 DIRECT_NODE_CALLS_ALLOWED = {
-    "tests/nodes/test_load_kontext_dataset.py",  # TODO: converting
     "tests/nodes/test_multi_image_conditioning.py",  # TODO: converting
 }
 

@@ -3,9 +3,10 @@ widget (`dataclasses.fields(TrainConfig)[i].metadata`): the node is built from t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 from . import __version__
+from .limits import check_number
 from .lora_file import kohya_metadata
 from .lora_targets import TARGET_PRESETS, check_preset
 from .objective import SAMPLERS, WEIGHTINGS, SigmaSampler
@@ -109,14 +110,13 @@ class TrainConfig:
     keep_last: int = knob(3, "Checkpoints kept; older ones are deleted (0 keeps all).", min=0, max=1000)
 
     def __post_init__(self):
-        if self.steps < 1:
-            raise ValueError("steps must be at least 1")
-        if self.rank < 1:
-            raise ValueError("rank must be at least 1")
-        if self.batch_size < 1 or self.gradient_accumulation < 1:
-            raise ValueError("batch_size and gradient_accumulation must be at least 1")
-        if self.warmup_steps < 0 or self.save_every < 0 or self.keep_last < 0:
-            raise ValueError("warmup_steps, save_every and keep_last cannot be negative")
+        # 1) every number finite and within its widget's limits (NaN passes ComfyUI's min/max)
+        for config_field in fields(self):
+            limits = config_field.metadata
+            if "min" in limits or "max" in limits:
+                value = getattr(self, config_field.name)
+                check_number(config_field.name, value, limits.get("min"), limits.get("max"))
+        # 2) choices and combinations
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise ValueError(
                 "blocks_to_swap needs gradient_checkpointing on (otherwise every block's weights "
@@ -128,8 +128,6 @@ class TrainConfig:
             raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
         if self.schedule not in SCHEDULES:
             raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if not 0.0 <= self.dropout < 1.0 or not 0.0 <= self.caption_dropout <= 1.0:
-            raise ValueError("dropout and caption_dropout are probabilities in [0, 1)")
         if self.loss_weighting not in WEIGHTINGS:
             raise ValueError(
                 f"unknown loss weighting {self.loss_weighting!r}; choose one of {', '.join(WEIGHTINGS)}"

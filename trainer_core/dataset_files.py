@@ -15,11 +15,11 @@ No references at all is plain FLUX.1-dev training. Images: png, jpg / jpeg, webp
 from __future__ import annotations
 
 import re
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .image_files import IMAGE_EXTENSIONS, FileProblem, read_image, upright_size
+from .image_files import IMAGE_EXTENSIONS, FileProblem, read_image, too_large_message, upright_size
 from .sizing import MAX_SIDE
 
 CONTROL_NAME = re.compile(r"^(?P<stem>.+)_control(?:_(?P<slot>\d+))?$")
@@ -71,16 +71,39 @@ def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
     return {stem: paths[0] for stem, paths in found.items()}
 
 
-def _check_slots(name: str, slots: dict[int, Path], where: str, problems: list[str]) -> list[Path]:
-    """References must be numbered control, control_1, control_2, ... without gaps."""
-    expected = list(range(len(slots)))
-    if sorted(slots) != expected:
-        have = ", ".join(_slot_name(s) for s in sorted(slots))
-        missing = ", ".join(_slot_name(s) for s in range(max(slots) + 1) if s not in slots)
-        problems.append(
-            f"{where}: '{name}' has {have} but no {missing}; add the missing reference or renumber"
-        )
-    return [slots[s] for s in sorted(slots)]
+def _check_references(
+    targets: dict[str, Path], references: dict[str, dict[int, Path]], problems: list[str]
+) -> dict[str, list[Path]]:
+    """Every sample needs the same references: `_control`, `_control_1`, ... without gaps. The
+    number expected is the most common one among samples that have references (ties: the
+    larger; a `_control` file is deliberate, a forgotten one is the usual mistake); each file
+    a sample lacks, or has beyond it, is named. Returns each target's references in order."""
+    slots_of = {stem: references.get(stem, {}) for stem in targets}
+    counts = Counter(len(slots) for slots in slots_of.values() if slots)
+    expected = max(counts, key=lambda count: (counts[count], count)) if counts else 0
+    for stem, slots in slots_of.items():
+        target = targets[stem]
+        for slot in range(expected):
+            if slot not in slots:
+                problems.append(
+                    f"{target.parent / f'{stem}_{_slot_name(slot)}.png'} (or .jpg / .webp) is missing: "
+                    f"{_evidence(targets, slots_of, slot)}, and every sample needs the same references; "
+                    f"add it, or remove {target.name}"
+                )
+        for slot in sorted(s for s in slots if s >= expected):
+            problems.append(
+                f"{slots[slot]}: {target.name} has more references than most samples ({expected}); "
+                "remove this one, or give every sample the same references"
+            )
+    return {stem: [slots[s] for s in sorted(slots)] for stem, slots in slots_of.items()}
+
+
+def _evidence(targets: dict[str, Path], slots_of: dict[str, dict[int, Path]], slot: int) -> str:
+    """Why a reference is expected: a sample that has it, or the numbering rule."""
+    for stem, slots in slots_of.items():
+        if slot in slots:
+            return f"{targets[stem].name} has {slots[slot].name}"
+    return "references are numbered _control, _control_1, _control_2, ... without gaps"
 
 
 def _slot_name(slot: int) -> str:
@@ -102,11 +125,11 @@ def _scan_one_folder(root: Path, problems: list[str]) -> list[SampleFiles]:
                     f"{path}: a reference without a target image '{stem}.png/.jpg/.webp'; "
                     "add the target or remove the reference"
                 )
+    refs = _check_references(targets, references, problems)
     samples = []
     for stem, target in targets.items():
-        refs = _check_slots(stem, references.get(stem, {}), str(root), problems) if stem in references else []
         caption = root / f"{stem}.txt"
-        samples.append(SampleFiles(stem, target, refs, caption if caption.is_file() else None))
+        samples.append(SampleFiles(stem, target, refs[stem], caption if caption.is_file() else None))
     return samples
 
 
@@ -147,20 +170,6 @@ def _scan_parallel(root: Path, problems: list[str]) -> list[SampleFiles]:
     return samples
 
 
-def _check_reference_counts(samples: list[SampleFiles], problems: list[str]) -> None:
-    by_count = defaultdict(list)
-    for sample in samples:
-        by_count[len(sample.references)].append(sample.name)
-    if len(by_count) > 1:
-        groups = "; ".join(
-            f"{len(names)} with {count} ({', '.join(names[:5])}{', ...' if len(names) > 5 else ''})"
-            for count, names in sorted(by_count.items())
-        )
-        problems.append(
-            f"samples have different numbers of references: {groups}; every sample needs the same number"
-        )
-
-
 def read_caption(path: Path | None) -> str:
     if path is None:
         return ""
@@ -168,6 +177,30 @@ def read_caption(path: Path | None) -> str:
         return path.read_text(encoding="utf-8-sig").strip()
     except UnicodeDecodeError:
         raise FileProblem(f"{path}: the caption is not UTF-8 text; save it as UTF-8") from None
+    except OSError as error:
+        raise FileProblem(
+            f"{path}: the caption cannot be read ({error.strerror or error}); check that ComfyUI may "
+            "read it, or remove it"
+        ) from None
+
+
+def _check_image(path: Path, min_size: int, decode: bool, problems: list[str], notices: list[str]) -> None:
+    """Size from the header first: an image over the cap is reported without decoding it (a
+    20000x20000 PNG would take gigabytes); the others are decoded when `decode` is set."""
+    try:
+        width, height = upright_size(path)
+        if max(width, height) > MAX_SIDE:
+            problems.append(too_large_message(path, width, height))
+            return
+        if decode:
+            notices.extend(read_image(path).notices)
+        if min(width, height) < min_size:
+            problems.append(
+                f"{path}: {width}x{height} is below the minimum side of {min_size} px; "
+                "use a larger image or lower min_size"
+            )
+    except FileProblem as problem:
+        problems.append(str(problem))
 
 
 def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetScan:
@@ -179,31 +212,20 @@ def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetS
         raise DatasetProblems(root, [f"{root} is not a folder; choose a folder of images"])
     problems: list[str] = []
     parallel = (root / TARGET_FOLDER).is_dir()
-    samples = _scan_parallel(root, problems) if parallel else _scan_one_folder(root, problems)
+    try:
+        samples = _scan_parallel(root, problems) if parallel else _scan_one_folder(root, problems)
+    except OSError as error:  # a folder that cannot be listed
+        raise DatasetProblems(
+            root,
+            [f"{error.filename or root}: cannot be read ({error.strerror}); check that ComfyUI may read it"],
+        ) from None
     if not samples and not problems:
         where = root / TARGET_FOLDER if parallel else root
         problems.append(f"{where}: no target images (.png, .jpg, .webp) found")
-    _check_reference_counts(samples, problems)
-    notices = []
+    notices: list[str] = []
     for sample in samples:
         for path in [sample.target, *sample.references]:
-            try:
-                width, height = upright_size(path) if path.stat().st_size else (0, 0)
-                if decode or width == 0:
-                    loaded = read_image(path)
-                    width, height = loaded.size
-                    notices += loaded.notices
-                if max(width, height) > MAX_SIDE:
-                    problems.append(
-                        f"{path}: {width}x{height} is over the {MAX_SIDE} px cap on a side; downscale it"
-                    )
-                if min(width, height) < min_size:
-                    problems.append(
-                        f"{path}: {width}x{height} is below the minimum side of {min_size} px; "
-                        "use a larger image or lower min_size"
-                    )
-            except FileProblem as problem:
-                problems.append(str(problem))
+            _check_image(path, min_size, decode, problems, notices)
         if sample.caption is None:
             notices.append(
                 f"{sample.target.name}: no caption file ({sample.name}.txt); trained with an empty caption"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from .atomic import new_temp_file
 from .lora_file import load, save_atomic
 
 # Bump when the image pipeline (decode, conversions, resize) changes what is encoded.
@@ -41,6 +42,13 @@ class EncodeCache:
         self.root = Path(root)
         self.hits = 0
         self.misses = 0
+
+    def prepare(self) -> None:
+        """Create the cache folder and prove a file can be written there, before anything is
+        encoded (a failure halfway through would waste the encoding done so far). Raises the
+        OSError as it comes."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        new_temp_file(self.root / "write_test").unlink()
 
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:

@@ -8,11 +8,15 @@ grayscale, bilevel, CMYK, 16-bit grayscale (scaled, not truncated to 8 bits).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
+
+from .sizing import MAX_SIDE
 
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp")
 WHITE = (1.0, 1.0, 1.0)
@@ -33,29 +37,76 @@ class LoadedImage:
         return self.pixels.shape[1], self.pixels.shape[0]
 
 
-def _open(path: Path) -> Image.Image:
-    if path.stat().st_size == 0:
-        raise FileProblem(f"{path}: the file is empty (0 bytes); export it again or remove it")
+@contextmanager
+def _named_problems(path: Path) -> Iterator[None]:
+    """Turn every way reading `path` can fail into a FileProblem that names it and the fix."""
     try:
-        image = Image.open(path)
-        image.load()
+        if path.stat().st_size == 0:
+            raise FileProblem(f"{path}: the file is empty (0 bytes); export it again or remove it")
+        yield
+    except FileProblem:
+        raise
     except UnidentifiedImageError:
         raise FileProblem(f"{path}: not a readable image; save it as PNG, JPEG or WebP") from None
-    except (OSError, SyntaxError, ValueError) as error:
+    except Image.DecompressionBombError as error:
+        raise FileProblem(_too_large(path, error)) from None
+    except OSError as error:
+        if error.errno is not None:  # from the operating system (permissions, gone), not a decoder
+            raise FileProblem(
+                f"{path}: cannot be read ({error.strerror}); check that the file exists and that "
+                "ComfyUI may read it, or remove it"
+            ) from None
         raise FileProblem(f"{path}: the image is truncated or corrupt ({error}); export it again") from None
+    except (SyntaxError, ValueError) as error:
+        raise FileProblem(f"{path}: the image is truncated or corrupt ({error}); export it again") from None
+
+
+def _too_large(path: Path, error: Exception) -> str:
+    try:
+        width, height = _declared_size(path)
+    except Exception:  # the header was readable a moment ago; still name the file and the fix
+        return f"{path}: too large to open ({error}); downscale it to at most {MAX_SIDE} px a side"
+    return too_large_message(path, width, height)
+
+
+def too_large_message(path: Path, width: int, height: int) -> str:
+    return f"{path}: {width}x{height} px is over the {MAX_SIDE} px limit on a side; downscale it"
+
+
+def _declared_size(path: Path) -> tuple[int, int]:
+    """(width, height) from the header, through PIL's own format plugins but without the
+    decompression-bomb check of `Image.open`, which refuses images over ~179 megapixels
+    before telling their size. Nothing is decoded."""
+    Image.preinit()
+    with open(path, "rb") as handle:
+        prefix = handle.read(16)
+        for format_id in Image.ID:
+            factory, accept = Image.OPEN[format_id]
+            accepted = accept is None or accept(prefix)
+            if accepted and not isinstance(accepted, str):  # a str is PIL's "plugin missing" note
+                handle.seek(0)
+                return factory(handle, str(path)).size
+    raise UnidentifiedImageError(str(path))
+
+
+def _open(path: Path) -> Image.Image:
+    with _named_problems(path):
+        image = Image.open(path)
+        image.load()
     return image
 
 
 def upright_size(path: Path) -> tuple[int, int]:
-    """(width, height) after EXIF orientation, read from the header only (no decoding)."""
-    try:
-        with Image.open(path) as image:
-            width, height = image.size
-            orientation = image.getexif().get(0x0112, 1)
-    except UnidentifiedImageError:
-        raise FileProblem(f"{path}: not a readable image; save it as PNG, JPEG or WebP") from None
-    except (OSError, SyntaxError, ValueError) as error:
-        raise FileProblem(f"{path}: the image is truncated or corrupt ({error}); export it again") from None
+    """(width, height) after EXIF orientation, read from the header only (no decoding). An
+    image too large for PIL to open still gives its size, so the caller can refuse it by name."""
+    path = Path(path)
+    with _named_problems(path):
+        try:
+            with Image.open(path) as image:
+                width, height = image.size
+                orientation = image.getexif().get(0x0112, 1)
+        except Image.DecompressionBombError:
+            return _declared_size(path)
     return (height, width) if orientation in (5, 6, 7, 8) else (width, height)
 
 

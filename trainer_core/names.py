@@ -4,9 +4,18 @@ message saying why not."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
+
+from .atomic import temp_sibling
 
 SUFFIX = ".safetensors"
-MAX_LENGTH = 120
+LOSS_CHART_SUFFIX = "_loss.png"
+MAX_LENGTH = 120  # characters: keeps names readable and paths short on Windows
+# Bytes per file or folder name on Linux / macOS file systems (ext4, btrfs, xfs, APFS, ...).
+MAX_NAME_BYTES = 255
+# The longest preview name: the step is at most 1,000,000 (TrainConfig.steps) and three
+# digits of image index are plenty.
+LONGEST_PREVIEW = (1_000_000, 999)
 # Names Windows reserves for devices, with or without an extension.
 RESERVED = {
     "con",
@@ -19,10 +28,43 @@ RESERVED = {
 FORBIDDEN = re.compile(r'[<>:"|?*\x00-\x1f]')
 
 
+def preview_name(stem: str, step: int, index: int) -> str:
+    """A preview image in ComfyUI's temp folder."""
+    return f"{stem}_step{step:06d}_{index}.png"
+
+
+def written_names(stem: str) -> list[str]:
+    """Every file or folder name the pack writes for a LoRA stem: the LoRA and its loss chart
+    in models/loras, their atomic temp siblings, the checkpoint folder
+    (output/kontext_trainer_checkpoints/<stem>/) and the longest preview image name."""
+    finals = [f"{stem}{SUFFIX}", f"{stem}{LOSS_CHART_SUFFIX}"]
+    return [
+        *finals,
+        *(temp_sibling(Path(name)).name for name in finals),
+        stem,
+        preview_name(stem, *LONGEST_PREVIEW),
+    ]
+
+
+def _check_name_bytes(stem: str) -> None:
+    stem_bytes = len(stem.encode("utf-8"))
+    longest = max(written_names(stem), key=lambda n: len(n.encode("utf-8")))
+    size = len(longest.encode("utf-8"))
+    if size > MAX_NAME_BYTES:
+        pattern = longest.replace(stem, "<name>", 1)
+        raise ValueError(
+            f"lora_name is {stem_bytes} bytes in UTF-8 ({len(stem)} characters); the trainer would "
+            f"write '{pattern}', {size} bytes, and file systems allow {MAX_NAME_BYTES} bytes per "
+            f"file name. Use a shorter lora_name: at most {MAX_NAME_BYTES - size + stem_bytes} bytes "
+            "(ASCII letters are 1 byte each, most CJK characters 3)"
+        )
+
+
 def lora_stem(name: str) -> str:
     """The file stem for a LoRA name (`.safetensors` added by the caller). Refuses separators,
     `..`, absolute paths, reserved device names, characters other systems forbid, hidden
-    files and overlong names, each with a message."""
+    files and overlong names (in characters, and in bytes of every name written), each with
+    a message."""
     stem = name.strip()
     if stem.lower().endswith(SUFFIX):
         stem = stem[: -len(SUFFIX)]
@@ -42,4 +84,5 @@ def lora_stem(name: str) -> str:
         raise ValueError(f"lora_name '{name}' is a reserved device name on Windows; choose another")
     if len(stem) > MAX_LENGTH:
         raise ValueError(f"lora_name is {len(stem)} characters; keep it under {MAX_LENGTH}")
+    _check_name_bytes(stem)
     return stem

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from kt_testing.datasets import color_image, write_one_folder, write_parallel
+from kt_testing.executor import run_node
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
 
@@ -57,7 +58,8 @@ def run(node, encoders, folder="", path="", cache="", **overrides):
         "cache_folder": str(cache),
     }
     kwargs.update(overrides)
-    return node.LoadKontextDataset.execute(encoders["vae"], encoders["clip"], **kwargs).args
+    inputs = {"vae": encoders["vae"], "clip": encoders["clip"], **kwargs}
+    return run_node(node.LoadKontextDataset, inputs).outputs
 
 
 def test_one_folder_in_the_input_directory(node, encoders, input_dir, tmp_path):
@@ -156,3 +158,41 @@ def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
     ):
         result = loop.train(config, session.lora.parameters(), lambda i: samples, session.loss)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))
+
+
+def test_a_linked_folder_leading_out_of_the_input_directory_points_to_path(
+    node, encoders, input_dir, tmp_path
+):
+    real = write_one_folder(tmp_path / "real_set", ["a"], references=0)
+    (input_dir / "kt_linked").symlink_to(real, target_is_directory=True)
+    try:
+        with pytest.raises(ValueError) as caught:
+            run(node, encoders, folder="kt_linked", cache=tmp_path / "cache")
+    finally:
+        (input_dir / "kt_linked").unlink()
+    assert str(caught.value) == (
+        f"folder: 'kt_linked' is a link to {real}, outside ComfyUI's input directory, and links out "
+        f"of it are not followed; give the folder's real location in path: {real}"
+    )
+
+
+def test_a_cache_folder_that_cannot_be_created_is_named(node, encoders, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    (tmp_path / "file.txt").write_text("not a folder", encoding="utf-8")
+    for cache, reason in [
+        (tmp_path / "file.txt" / "cache", f"{tmp_path / 'file.txt'} is a file, not a folder"),
+        (tmp_path / "file.txt", f"{tmp_path / 'file.txt'} is a file, not a folder"),
+        (Path("/proc/kt_cache"), "No such file or directory"),
+    ]:
+        with pytest.raises(ValueError) as caught:
+            run(node, encoders, path=root, cache=cache)
+        assert str(caught.value) == (
+            f"cache_folder: cannot create or write to {cache} ({reason}); give a folder ComfyUI may "
+            "create and write to, or leave cache_folder empty to use output/kontext_trainer_cache"
+        )
+
+
+def test_fingerprint_survives_a_broken_link(node, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    (root / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    assert node.folder_fingerprint(root) == node.folder_fingerprint(root)

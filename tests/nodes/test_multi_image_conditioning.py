@@ -110,3 +110,28 @@ def test_bad_input_gets_a_clear_error(setup):
         run_node(setup, "sideways", image(32, 32))
     with pytest.raises(ValueError, match="image_2 is 16x4100; the cap is 4096"):
         run_node(setup, "offset", image(32, 32), image(4100, 16))
+
+
+def test_an_oversized_reference_is_refused_by_input_name_before_any_encoding(setup):
+    from kt_testing.executor import run_node as run_in_executor
+    from kt_testing.tiny_models import small_flux_vae
+
+    vae = small_flux_vae(seed=1)
+    encoded = []
+    inner = vae.encode
+    vae.encode = lambda pixels: encoded.append(pixels.shape) or inner(pixels)
+    inputs = {
+        "model": setup["model"],
+        "conditioning": setup["conditioning"],
+        "vae": vae,
+        "layout": "offset",
+        "reference_resolution": 0,
+        "image_1": image(32, 32),
+        "image_2": image(16, 4100),
+    }
+    with pytest.raises(ValueError) as caught:
+        run_in_executor(setup["node"], inputs)
+    assert str(caught.value) == (
+        "image_2 is 4100x16; the cap is 4096 pixels on a side. Downscale it before loading."
+    )
+    assert encoded == []  # image_1 was not encoded for nothing

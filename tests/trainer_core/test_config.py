@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 
 import pytest
 
@@ -57,3 +59,54 @@ def test_file_metadata_has_kohya_fields_and_ours():
     assert metadata["kontext_trainer.dataset_hash"] == "abc123"
     assert json.loads(metadata["kontext_trainer.config"])["rank"] == 8
     assert all(isinstance(v, str) for v in metadata.values())
+
+
+FLOAT_FIELDS = [f.name for f in dataclasses.fields(TrainConfig) if type(f.default) is float]
+
+
+def test_every_float_setting_has_limits():
+    assert FLOAT_FIELDS == [
+        "learning_rate",
+        "weight_decay",
+        "max_grad_norm",
+        "alpha",
+        "dropout",
+        "logit_mean",
+        "logit_std",
+        "sigmoid_scale",
+        "shift",
+        "guidance",
+        "ip_noise_gamma",
+        "caption_dropout",
+    ]
+    for f in dataclasses.fields(TrainConfig):
+        if f.name in FLOAT_FIELDS:
+            assert {"min", "max"} <= set(f.metadata), f.name
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_non_finite_floats_are_refused_by_name(field, value):
+    limits = TrainConfig.__dataclass_fields__[field].metadata
+    with pytest.raises(ValueError) as caught:
+        TrainConfig(**{field: value})
+    assert str(caught.value) == (
+        f"{field} is {value}; give a finite number from {limits['min']} to {limits['max']}"
+    )
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("max_grad_norm", -1.0, "max_grad_norm is -1.0; give a number from 0.0 to 100.0"),
+        ("alpha", 0.0, "alpha is 0.0; give a number from 0.01 to 1024.0"),
+        ("guidance", 101.0, "guidance is 101.0; give a number from 0.0 to 100.0"),
+        ("shift", "3", "shift must be a number from 0.01 to 100.0; got '3'"),
+        ("steps", 0, "steps is 0; give a number from 1 to 1000000"),
+        ("seed", -1, "seed is -1; give a number from 0 to 2147483647"),
+    ],
+)
+def test_out_of_range_settings_are_refused_by_name(field, value, message):
+    with pytest.raises(ValueError) as caught:
+        TrainConfig(**{field: value})
+    assert str(caught.value) == message

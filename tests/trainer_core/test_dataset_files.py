@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from kt_testing.bad_files import write_huge_png
 from kt_testing.datasets import color_image, write_one_folder, write_parallel
+from trainer_core import dataset_files
 from trainer_core.dataset_files import DatasetProblems, scan_dataset
+from trainer_core.image_files import read_image
 
 
 def test_one_folder_layout(tmp_path):
@@ -41,7 +45,7 @@ def test_no_references_is_plain_flux_training(tmp_path):
 
 def test_every_problem_is_reported_together(tmp_path):
     root = write_one_folder(tmp_path / "set", ["a", "b", "c", "d", "e", "f"], references=1)
-    (root / "b_control_2.png").write_bytes((root / "b_control.png").read_bytes())  # gap: no _control_1
+    (root / "b_control_2.png").write_bytes((root / "b_control.png").read_bytes())  # one more than the rest
     color_image(64, 48, seed=9).save(root / "ghost_control.png")  # orphan reference
     (root / "c.png").write_bytes(b"")  # zero bytes
     (root / "d_control.png").write_bytes(b"GIF89a not really")  # unreadable
@@ -54,13 +58,12 @@ def test_every_problem_is_reported_together(tmp_path):
     message = str(caught.value)
     expected = [
         r"a\.jpg, a\.png are two images for 'a'; keep one of them",
-        r"'b' has control, control_2 but no control_1",
+        r"b_control_2\.png: b\.png has more references than most samples \(1\)",
         r"ghost_control\.png: a reference without a target image 'ghost",
         r"c\.png: the file is empty \(0 bytes\)",
         r"d_control\.png: not a readable image",
         r"e\.png: the image is truncated or corrupt",
         r"f\.png: 20x12 is below the minimum side of 32 px",
-        r"samples have different numbers of references: .* with 1 .*; .* with 2 \(b\)",
     ]
     for pattern in expected:
         assert re.search(pattern, message), pattern
@@ -113,5 +116,89 @@ def test_non_utf8_caption_is_a_problem(tmp_path):
 def test_oversized_images_are_problems_before_any_encoding(tmp_path):
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=0)
     color_image(4100, 16, seed=1).save(root / "b.png")
-    with pytest.raises(DatasetProblems, match=r"b\.png: 4100x16 is over the 4096 px cap on a side"):
+    with pytest.raises(DatasetProblems, match=r"b\.png: 4100x16 px is over the 4096 px limit on a side"):
         scan_dataset(root)
+
+
+def test_a_decompression_bomb_is_one_more_named_problem_found_without_decoding(tmp_path, monkeypatch):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1)
+    write_huge_png(root / "big.png", 20000, 20000)  # PIL refuses to open it at all
+    (root / "a.txt").write_bytes(b"caf\xe9")
+    decoded = []
+    monkeypatch.setattr(
+        dataset_files, "read_image", lambda path: decoded.append(path.name) or read_image(path)
+    )
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems == [
+        f"{root / 'big_control.png'} (or .jpg / .webp) is missing: a.png has a_control.png, and every "
+        "sample needs the same references; add it, or remove big.png",
+        f"{root / 'a.txt'}: the caption is not UTF-8 text; save it as UTF-8",
+        f"{root / 'big.png'}: 20000x20000 px is over the 4096 px limit on a side; downscale it",
+    ]
+    assert "big.png" not in decoded and "b.png" in decoded
+
+
+def test_one_folder_names_the_missing_reference(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1)
+    (root / "b_control.png").unlink()
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems == [
+        f"{root / 'b_control.png'} (or .jpg / .webp) is missing: a.png has a_control.png, and every "
+        "sample needs the same references; add it, or remove b.png"
+    ]
+
+
+def test_one_folder_follows_the_most_common_reference_count(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b", "c", "d"], references=2)
+    (root / "a_control_1.png").unlink()  # a lacks its second reference
+    color_image(64, 48, seed=7).save(root / "d_control_2.png")  # d has a third
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems == [
+        f"{root / 'a_control_1.png'} (or .jpg / .webp) is missing: b.png has b_control_1.png, and every "
+        "sample needs the same references; add it, or remove a.png",
+        f"{root / 'd_control_2.png'}: d.png has more references than most samples (2); remove this one, "
+        "or give every sample the same references",
+    ]
+
+
+def test_a_numbering_gap_in_every_sample_is_named(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    color_image(64, 48, seed=7).save(root / "a_control_1.png")  # no a_control
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems[0] == (
+        f"{root / 'a_control.png'} (or .jpg / .webp) is missing: references are numbered _control, "
+        "_control_1, _control_2, ... without gaps, and every sample needs the same references; add it, "
+        "or remove a.png"
+    )
+
+
+def test_unreadable_captions_and_folders_are_named(tmp_path, monkeypatch):
+    # tests run as root, which reads every file: the refusals are simulated
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=0)
+    real_read_text = Path.read_text
+
+    def read_text(path, *args, **kwargs):
+        if path.name == "a.txt":
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_read_text(path, *args, **kwargs)
+
+    def iterdir(path):
+        raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems == [
+        f"{root / 'a.txt'}: the caption cannot be read (Permission denied); check that ComfyUI may "
+        "read it, or remove it"
+    ]
+    monkeypatch.setattr(Path, "iterdir", iterdir)
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    assert caught.value.problems == [
+        f"{root}: cannot be read (Permission denied); check that ComfyUI may read it"
+    ]

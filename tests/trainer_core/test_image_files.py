@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from kt_testing.bad_files import write_huge_png
 from trainer_core.image_files import FileProblem, read_image, upright_size
 
 
@@ -93,14 +94,14 @@ def test_exif_orientation_is_applied(tmp_path):
 @pytest.mark.parametrize(
     ("content", "message"),
     [
-        (b"", "empty \\(0 bytes\\)"),
+        (b"", "the file is empty \\(0 bytes\\)"),
         (b"this is not an image at all", "not a readable image"),
     ],
 )
 def test_unusable_files_are_named(tmp_path, content, message):
     path = tmp_path / "bad.png"
     path.write_bytes(content)
-    with pytest.raises(FileProblem, match=f"bad.png: .*{message}"):
+    with pytest.raises(FileProblem, match=f"^{path}: {message}"):
         read_image(path)
 
 
@@ -112,3 +113,19 @@ def test_truncated_file_is_named(tmp_path):
     (tmp_path / "cut.png").write_bytes(data[: len(data) // 2])
     with pytest.raises(FileProblem, match=r"cut\.png: the image is truncated or corrupt"):
         read_image(tmp_path / "cut.png")
+
+
+def test_an_image_too_large_for_pil_is_named_with_its_size(tmp_path):
+    path = write_huge_png(tmp_path / "big.png", 20000, 20000)  # 400 MP: PIL's Image.open refuses it
+    assert upright_size(path) == (20000, 20000)  # from the header, nothing decoded
+    with pytest.raises(FileProblem) as caught:
+        read_image(path)
+    assert str(caught.value) == f"{path}: 20000x20000 px is over the 4096 px limit on a side; downscale it"
+
+
+def test_files_the_system_cannot_read_are_named(tmp_path):
+    (tmp_path / "folder.png").mkdir()
+    with pytest.raises(FileProblem, match=r"folder\.png: cannot be read \(Is a directory\)"):
+        read_image(tmp_path / "folder.png")
+    with pytest.raises(FileProblem, match=r"gone\.png: cannot be read \(No such file or directory\)"):
+        upright_size(tmp_path / "gone.png")

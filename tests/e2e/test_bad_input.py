@@ -1,0 +1,97 @@
+"""Bad input sent to a real ComfyUI server (over HTTP, as the API and the frontend send it) gets
+a clear error naming the file or the field and what to do, and leaves nothing written."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from kt_testing.bad_files import write_huge_png
+from kt_testing.datasets import write_one_folder
+from kt_testing.graphs import training_graph
+from kt_testing.runs import error_of
+
+
+@pytest.fixture(scope="module")
+def good_set(server):
+    return write_one_folder(server.base_dir / "input" / "kt_bad_input_good", ["a", "b"], size=(64, 64))
+
+
+def loras(server):
+    return server.base_dir / "models" / "loras"
+
+
+def run_failing(server, graph) -> str:
+    _, messages = server.run_prompt(graph)
+    return error_of(messages).strip()  # ComfyUI adds a line break
+
+
+def test_a_decompression_bomb_is_one_named_problem_among_the_others(server, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], size=(64, 64))
+    write_huge_png(root / "big.png", 20000, 20000)
+    (root / "b_control.png").unlink()
+    graph = training_graph(root, "kt_bad_bomb", steps=1)
+    graph["4"]["inputs"]["cache_folder"] = str(tmp_path / "cache")
+    message = run_failing(server, graph)
+    assert f"The dataset in {root} has 3 problem(s); nothing was encoded" in message
+    assert f"{root / 'big.png'}: 20000x20000 px is over the 4096 px limit on a side; downscale it" in message
+    assert f"{root / 'b_control.png'} (or .jpg / .webp) is missing: a.png has a_control.png" in message
+    assert f"{root / 'big_control.png'} (or .jpg / .webp) is missing" in message
+    assert not (tmp_path / "cache").exists()
+
+
+def test_a_lora_name_too_long_in_bytes_is_refused_before_training(server, good_set):
+    name = "字" * 100  # 100 characters, 300 bytes
+    message = run_failing(server, training_graph(good_set, name, steps=1))
+    assert message.startswith("lora_name is 300 bytes in UTF-8 (100 characters)")
+    assert "Use a shorter lora_name: at most 221 bytes" in message
+    assert not any(name in p.name for p in loras(server).glob("*"))
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "limits"),
+    [
+        ("max_grad_norm", math.nan, "from 0.0 to 100.0"),
+        ("alpha", math.nan, "from 0.01 to 1024.0"),
+        ("guidance", math.nan, "from 0.0 to 100.0"),
+        ("shift", math.nan, "from 0.01 to 100.0"),
+        ("learning_rate", math.nan, "from 1e-07 to 1.0"),
+    ],
+)
+def test_nan_settings_sent_through_the_api_are_refused_by_name(server, good_set, field, value, limits):
+    # ComfyUI's own min / max check lets NaN through (every comparison with NaN is false)
+    message = run_failing(server, training_graph(good_set, f"kt_bad_nan_{field}", steps=1, **{field: value}))
+    assert message == f"{field} is nan; give a finite number {limits}"
+    assert not (loras(server) / f"kt_bad_nan_{field}.safetensors").exists()
+
+
+def test_a_linked_dataset_folder_says_to_use_path(server, tmp_path):
+    real = write_one_folder(tmp_path / "real_set", ["a"], size=(64, 64))
+    link = server.base_dir / "input" / "kt_bad_linked"
+    link.symlink_to(real, target_is_directory=True)
+    try:
+        graph = training_graph(real, "kt_bad_linked", steps=1)
+        graph["4"]["inputs"].update(folder="kt_bad_linked", path="")
+        message = run_failing(server, graph)
+    finally:
+        link.unlink()
+    assert message == (
+        f"folder: 'kt_bad_linked' is a link to {real}, outside ComfyUI's input directory, and links "
+        f"out of it are not followed; give the folder's real location in path: {real}"
+    )
+
+
+def test_a_cache_folder_that_cannot_be_created_is_named(server, good_set, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    graph = training_graph(good_set, "kt_bad_cache", steps=1)
+    graph["4"]["inputs"]["cache_folder"] = str(blocker / "cache")
+    message = run_failing(server, graph)
+    assert message == (
+        f"cache_folder: cannot create or write to {blocker / 'cache'} ({blocker} is a file, not a "
+        "folder); give a folder ComfyUI may create and write to, or leave cache_folder empty to use "
+        "output/kontext_trainer_cache"
+    )
+    shutil.rmtree(tmp_path, ignore_errors=True)
