@@ -20,6 +20,8 @@ import torch
 from comfy_api.latest import io
 from PIL import Image
 
+from ..trainer_core.limits import check_number
+from ..trainer_core.names import preview_name
 from .extension_ids import node_id
 
 Preview = io.Custom("KONTEXT_PREVIEW")
@@ -88,7 +90,7 @@ def save_previews(images: torch.Tensor, temp_dir: Path, stem: str, step: int) ->
     folder.mkdir(parents=True, exist_ok=True)
     refs = []
     for index, image in enumerate(images):
-        name = f"{stem}_step{step:06d}_{index}.png"
+        name = preview_name(stem, step, index)
         pixels = (image.clamp(0, 1).numpy() * 255).round().astype(np.uint8)
         Image.fromarray(pixels).save(folder / name)
         refs.append({"filename": name, "subfolder": PREVIEW_FOLDER, "type": "temp", "step": step})
@@ -157,5 +159,7 @@ class PreviewSampler(io.ComfyNode):
 
     @classmethod
     def execute(cls, negative=None, **inputs) -> io.NodeOutput:
-        # the inputs are PreviewSettings' fields, by name
+        # the inputs are PreviewSettings' fields, by name; NaN passes ComfyUI's min / max check
+        check_number("cfg", inputs["cfg"], 1.0, 30.0)
+        check_number("guidance", inputs["guidance"], 0.0, 100.0)
         return io.NodeOutput(PreviewSettings(negative=negative, **inputs))

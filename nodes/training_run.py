@@ -25,7 +25,7 @@ from ..trainer_core.checkpoint import load_checkpoint, new_run_folder, prune, sa
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, TrainResult, train
-from ..trainer_core.names import SUFFIX
+from ..trainer_core.names import LOSS_CHART_SUFFIX, SUFFIX
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import flux_lora_session
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
@@ -58,7 +58,7 @@ class LoraPaths:
 
     @property
     def loss_chart(self) -> Path:
-        return self.loras_dir / f"{self.stem}_loss.png"
+        return self.loras_dir / f"{self.stem}{LOSS_CHART_SUFFIX}"
 
     @property
     def checkpoints(self) -> Path:

@@ -65,9 +65,7 @@ def test_web_badge_version_matches_pyproject():
 
 
 # Node tests that still call nodes directly, until converted to kt_testing.executor.
-DIRECT_NODE_CALLS_ALLOWED = {
-    "tests/nodes/test_multi_image_conditioning.py",  # TODO: converting
-}
+DIRECT_NODE_CALLS_ALLOWED = {}
 
 
 def _direct_node_calls(source: str) -> list[int]:

@@ -105,7 +105,11 @@ class TrainConfig:
         control_after_generate=False,  # never randomised by the UI: runs must be repeatable
     )
     save_every: int = knob(
-        0, "Write a resumable checkpoint every N steps (0: only when cancelled).", min=0, max=1_000_000
+        0,
+        "Write a resumable checkpoint every N steps (0: none along the way). One is always written "
+        "when a run is cancelled and at its last step, so it can be resumed or continued.",
+        min=0,
+        max=1_000_000,
     )
     keep_last: int = knob(3, "Checkpoints kept; older ones are deleted (0 keeps all).", min=0, max=1000)
 

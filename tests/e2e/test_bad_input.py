@@ -95,3 +95,11 @@ def test_a_cache_folder_that_cannot_be_created_is_named(server, good_set, tmp_pa
         "output/kontext_trainer_cache"
     )
     shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+@pytest.mark.parametrize("field,limits", [("cfg", "from 1.0 to 30.0"), ("guidance", "from 0.0 to 100.0")])
+def test_nan_preview_settings_are_refused_by_name(server, good_set, field, limits):
+    graph = training_graph(good_set, f"kt_bad_preview_{field}", preview_every=1, steps=1)
+    graph["8"]["inputs"][field] = math.nan
+    assert run_failing(server, graph) == f"{field} is nan; give a finite number {limits}"
+    assert not (loras(server) / f"kt_bad_preview_{field}.safetensors").exists()

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kt_testing.capture import captured_image_ids
+from kt_testing.executor import run_node
 
 
 def hand_ids(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
@@ -38,22 +39,35 @@ def image(height, width, seed=0, batch=1):
 def sample_with_ksampler(setup, model, conditioning, latent_hw=(8, 8)):
     """A stock KSampler, 2 euler steps at cfg 1; returns the ids of every model call."""
     latent = {"samples": torch.zeros(1, 16, *latent_hw)}
+    sampler = {
+        "model": model,
+        "seed": 7,
+        "steps": 2,
+        "cfg": 1.0,
+        "sampler_name": "euler",
+        "scheduler": "simple",
+        "positive": conditioning,
+        "negative": conditioning,
+        "latent_image": latent,
+        "denoise": 1.0,
+    }
     with captured_image_ids(model.model.diffusion_model) as calls:
-        (out,) = (
-            setup["nodes"]
-            .KSampler()
-            .sample(model, 7, 2, 1.0, "euler", "simple", conditioning, conditioning, latent, denoise=1.0)
-        )
+        (out,) = run_node("KSampler", sampler).outputs
     assert out["samples"].shape == latent["samples"].shape and torch.isfinite(out["samples"]).all()
     return calls
 
 
-def run_node(setup, layout, *images, resolution=0):
-    kwargs = {f"image_{i}": img for i, img in enumerate(images, start=1)}
-    result = setup["node"].execute(
-        setup["model"], setup["conditioning"], setup["vae"], layout, resolution, **kwargs
-    )
-    return result.args
+def conditioning_node(setup, layout, *images, resolution=0, validate=True):
+    """MultiImageConditioning through ComfyUI's executor: (MODEL, CONDITIONING)."""
+    inputs = {
+        "model": setup["model"],
+        "conditioning": setup["conditioning"],
+        "vae": setup["vae"],
+        "layout": layout,
+        "reference_resolution": resolution,
+        **{f"image_{i}": img for i, img in enumerate(images, start=1)},
+    }
+    return run_node(setup["node"], inputs, validate=validate).outputs
 
 
 @pytest.mark.parametrize(
@@ -68,7 +82,7 @@ def run_node(setup, layout, *images, resolution=0):
 )
 def test_dreamomni2_reaches_flux_through_a_stock_ksampler(setup, sizes, expected_refs):
     images = [image(h, w, seed=i) for i, (h, w) in enumerate(sizes)]
-    model, conditioning = run_node(setup, "dreamomni2", *images)
+    model, conditioning = conditioning_node(setup, "dreamomni2", *images)
     calls = sample_with_ksampler(setup, model, conditioning)
     expected = torch.cat([hand_ids(4, 4, 0.0)] + [hand_ids(*ref) for ref in expected_refs])
     assert len(calls) == 2  # one call per step at cfg 1
@@ -83,7 +97,7 @@ def test_single_reference_gives_plain_kontext_ids_in_offset_index_and_dreamomni2
     ref = image(48, 80, seed=3)
     plain = torch.cat([hand_ids(4, 4, 0.0), hand_ids(3, 5, 1.0)])
     for layout in ("offset", "index", "dreamomni2"):
-        model, conditioning = run_node(setup, layout, ref)
+        model, conditioning = conditioning_node(setup, layout, ref)
         calls = sample_with_ksampler(setup, model, conditioning)
         assert torch.equal(calls[0][0], plain), layout
 
@@ -91,7 +105,7 @@ def test_single_reference_gives_plain_kontext_ids_in_offset_index_and_dreamomni2
 def test_conditioning_carries_latents_and_layout_and_the_input_model_is_untouched(setup):
     import comfy.patcher_extension
 
-    model, conditioning = run_node(setup, "uxo", image(64, 32), image(32, 64, seed=1), resolution=64)
+    model, conditioning = conditioning_node(setup, "uxo", image(64, 32), image(32, 64, seed=1), resolution=64)
     extras = conditioning[0][1]
     assert extras["reference_latents_method"] == "uxo"
     # resolution 64: 64x32 -> area 4096 -> 96x48 (sqrt 2 scale, rounded to 16) -> latent 12x6
@@ -103,17 +117,16 @@ def test_conditioning_carries_latents_and_layout_and_the_input_model_is_untouche
 
 def test_bad_input_gets_a_clear_error(setup):
     with pytest.raises(ValueError, match="at least one reference image on image_1"):
-        run_node(setup, "offset")
+        conditioning_node(setup, "offset", validate=False)  # ComfyUI refuses it first; scripts may not
     with pytest.raises(ValueError, match=r"batch sizes disagree.*image_1 has 2, image_2 has 3"):
-        run_node(setup, "offset", image(32, 32, batch=2), image(32, 32, batch=3))
+        conditioning_node(setup, "offset", image(32, 32, batch=2), image(32, 32, batch=3))
     with pytest.raises(ValueError, match="unknown reference layout 'sideways'"):
-        run_node(setup, "sideways", image(32, 32))
+        conditioning_node(setup, "sideways", image(32, 32), validate=False)  # as a script could send
     with pytest.raises(ValueError, match="image_2 is 16x4100; the cap is 4096"):
-        run_node(setup, "offset", image(32, 32), image(4100, 16))
+        conditioning_node(setup, "offset", image(32, 32), image(4100, 16))
 
 
 def test_an_oversized_reference_is_refused_by_input_name_before_any_encoding(setup):
-    from kt_testing.executor import run_node as run_in_executor
     from kt_testing.tiny_models import small_flux_vae
 
     vae = small_flux_vae(seed=1)
@@ -130,7 +143,7 @@ def test_an_oversized_reference_is_refused_by_input_name_before_any_encoding(set
         "image_2": image(16, 4100),
     }
     with pytest.raises(ValueError) as caught:
-        run_in_executor(setup["node"], inputs)
+        run_node(setup["node"], inputs)
     assert str(caught.value) == (
         "image_2 is 4100x16; the cap is 4096 pixels on a side. Downscale it before loading."
     )
