@@ -213,7 +213,9 @@ def run_training(
     LOGGER.info(
         "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
     )
-    job.report(tracker.progress, message=f"estimated VRAM {estimate}")
+    # kept on every step's progress (the panel shows it while training; an event always has it)
+    tracker.progress = dataclasses.replace(tracker.progress, message=f"estimated VRAM {estimate}")
+    job.report(tracker.progress)
     preview_refs: list[dict] = []
     preview_rounds: list[torch.Tensor] = []
 
