@@ -116,7 +116,8 @@ def check_name_unique_in_prompt(prompt: dict | None, node: str, stem: str) -> No
         name = other.get("inputs", {}).get("lora_name")
         if str(other_id) == str(node) or other.get("class_type") != node_id("TrainLoRA"):
             continue
-        if isinstance(name, str) and _stem_or_none(name) == stem:
+        # casefold: Windows and macOS file systems see "Foo" and "foo" as one file
+        if isinstance(name, str) and (_stem_or_none(name) or "").casefold() == stem.casefold():
             others.append(str(other_id))
     if others:
         raise ValueError(
@@ -204,12 +205,6 @@ class TrainLoRA(io.ComfyNode):
                     tooltip="Saved as models/loras/<name>.safetensors; checkpoints go to "
                     "output/kontext_trainer_checkpoints/<name>/.",
                 ),
-                io.Boolean.Input(
-                    "overwrite",
-                    default=False,
-                    tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
-                    "(pick another name), on replaces it once the new LoRA is saved.",
-                ),
                 io.Combo.Input(
                     "resume_from",
                     options=resume_choices(),
@@ -218,6 +213,13 @@ class TrainLoRA(io.ComfyNode):
                     "it is read, never changed: the continued run writes its own checkpoints.",
                 ),
                 *[config_widget(f) for f in dataclasses.fields(TrainConfig)],
+                # last, so workflows saved before it existed keep their widget values in place
+                io.Boolean.Input(
+                    "overwrite",
+                    default=False,
+                    tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
+                    "(pick another name), on replaces it once the new LoRA is saved.",
+                ),
                 Preview.Input(
                     "preview",
                     optional=True,

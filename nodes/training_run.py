@@ -192,7 +192,8 @@ def run_training(
     remove_stale_partials(paths)
     # Loaded here, in the training thread (outside ComfyUI's inference mode).
     resume = load_checkpoint(run.resume) if run.resume is not None else None
-    run_folder = new_run_folder(paths.checkpoints)  # a resume never touches the run it came from
+    saved: dict[int, Path] = {}  # step -> checkpoint written by this run
+    run_folder: list[Path] = []  # made at the first save, so a run that fails early leaves none
     record = run_record(config, dataset)
     if resume is not None:
         record["resumed_from"] = str(resume.path)
@@ -204,8 +205,7 @@ def run_training(
     tracker = ProgressTracker(config.steps, resume.step if resume else 0)
     if preview is not None:
         tracker.recurring("preview", preview.every_n_steps, at_end=True)
-    if config.save_every:
-        tracker.recurring("checkpoint", config.save_every, at_end=True)
+    tracker.recurring("checkpoint", config.save_every or config.steps, at_end=True)
     for loss in resume.losses if resume else []:
         job.record_loss(loss)
     estimate = vram_estimate(model, dataset, config)
@@ -232,9 +232,13 @@ def run_training(
             )
 
         def save(step: int, result: TrainResult) -> Path:
+            if step in saved:  # e.g. Cancel right after a save_every checkpoint
+                return saved[step]
+            if not run_folder:  # a new folder per run: a resume never touches the run it came from
+                run_folder.append(new_run_folder(paths.checkpoints))
             with tracker.timed("checkpoint"):
                 path = save_checkpoint(
-                    run_folder,
+                    run_folder[0],
                     step,
                     session.lora.modules(),
                     result.optimizer,
@@ -243,7 +247,8 @@ def run_training(
                     record,
                     {**metadata, "ss_steps": str(step)},
                 )
-                prune(run_folder, config.keep_last)
+                prune(run_folder[0], config.keep_last)
+            saved[step] = path
             return path
 
         def previews(step: int) -> torch.Tensor:
@@ -253,7 +258,9 @@ def run_training(
             del preview_refs[:-PREVIEW_HISTORY]
             preview_rounds.append(images)
             del preview_rounds[:-PREVIEW_ROUNDS_OUT]
-            job.report(tracker.progress, previews=tuple(preview_refs))
+            # on the tracker's progress, so every later step's report keeps the history
+            tracker.progress = dataclasses.replace(tracker.progress, previews=tuple(preview_refs))
+            job.report(tracker.progress)
             return images
 
         def on_step(info) -> bool:
@@ -295,8 +302,6 @@ def run_training(
             )
             return TrainingOutcome(result.losses, cancelled=True, checkpoint=checkpoint)
         save(config.steps, result)  # the final step too: a finished run can be continued
-        if preview is not None:
-            previews(config.steps)
         state = session.save(
             paths.lora,
             config.steps,
@@ -305,6 +310,11 @@ def run_training(
             dataset.content_hash,
         )
         lora_state = _read_back(state)
+        if preview is not None:  # after the LoRA is safe: a Cancel here only skips this round
+            try:
+                previews(config.steps)
+            except comfy.model_management.InterruptProcessingException:
+                LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", paths.stem)
     replaced = " (replaced the previous file, overwrite is on)" if run.replaces else ""
     job.report(status="finished", message=f"saved {paths.lora}{replaced}")
     final_previews = torch.cat(preview_rounds) if preview_rounds else None

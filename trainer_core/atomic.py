@@ -49,8 +49,12 @@ def new_temp_folder(path: Path) -> Path:
 
 
 def fsync_file(path: Path) -> None:
-    with open(path, "rb") as handle:
-        os.fsync(handle.fileno())
+    # opened for writing: Windows' FlushFileBuffers refuses a read-only handle
+    fd = os.open(path, os.O_RDWR | getattr(os, "O_BINARY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 @contextmanager

@@ -171,6 +171,8 @@ def train(
         optimizer.zero_grad(set_to_none=True)
         result.losses.append(total)
         done = step + 1
+        # the step's own time (a checkpoint written below is timed apart by the caller)
+        info = StepInfo(done, config.steps, total, lr, time.perf_counter() - started)
         if (
             on_checkpoint is not None
             and config.save_every
@@ -178,7 +180,6 @@ def train(
             and done < config.steps
         ):
             on_checkpoint(done, result)
-        info = StepInfo(done, config.steps, total, lr, time.perf_counter() - started)
         if on_step is not None and on_step(info) is False:
             result.stopped_early = done < config.steps
             break

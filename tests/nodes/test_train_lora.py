@@ -279,7 +279,7 @@ def test_event_constants_match_the_web_extension(mods):
     }
 
 
-def test_previews_do_not_change_the_run(mods, dataset):
+def test_previews_do_not_change_the_run(mods, dataset, monkeypatch):
     """Sampling previews between steps (own noise generator, global RNG restored) leaves the
     training losses exactly as without previews; the preview rounds come out as IMAGE and the
     node lists each round's images with their step."""
@@ -287,6 +287,14 @@ def test_previews_do_not_change_the_run(mods, dataset):
     positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
     vae = InGraph(lambda: small_flux_vae(seed=1))
     preview = run_node("KontextTrainer_PreviewSampler", preview_inputs(positive, vae, 2)).outputs[0]
+    reported = []  # the previews listed by every progress report of the job, in order
+    report = mods.job.TrainingJob.report
+
+    def recording_report(job, *args, **fields):
+        report(job, *args, **fields)
+        reported.append([p["step"] for p in job.snapshot().previews])
+
+    monkeypatch.setattr(mods.job.TrainingJob, "report", recording_report)
     common = {"steps": 4, "dropout": 0.1, "seed": 3}
     plain = run_train(mods, dataset, "kt_no_preview", **common).outputs
     with_previews = run_train(mods, dataset, "kt_preview", preview=preview, **common).outputs
@@ -295,3 +303,5 @@ def test_previews_do_not_change_the_run(mods, dataset):
     assert images.shape == (2, 64, 64, 3) and torch.isfinite(images).all() and float(images.std()) > 0
     job_previews = mods.job.MANAGER.current.snapshot().previews
     assert [p["step"] for p in job_previews] == [2, 4] and job_previews[0]["type"] == "temp"
+    first = reported.index([2])  # the step-2 round stays listed at every later report
+    assert all(steps[:1] == [2] for steps in reported[first:]) and reported[-1] == [2, 4]

@@ -232,3 +232,21 @@ def test_a_non_finite_gradient_stops_before_the_update():
     with pytest.raises(NonFiniteLoss, match="gradient norm became"):
         train(TrainConfig(steps=2), [weight], lambda i: None, loss_fn)
     assert torch.equal(weight.detach(), torch.zeros(3))
+
+
+def test_a_steps_time_leaves_out_its_checkpoint():
+    """The ETA adds checkpoint time on its own (measured apart): a step's reported time must
+    not include the checkpoint written after it, or checkpoints count twice."""
+    import time
+
+    weight, loss_fn = quadratic_problem()
+    seconds = {}
+    train(
+        TrainConfig(steps=4, learning_rate=0.05, save_every=2),
+        [weight],
+        lambda i: 1.0,
+        loss_fn,
+        lambda info: seconds.__setitem__(info.step, info.seconds),
+        on_checkpoint=lambda step, result: time.sleep(0.3),
+    )
+    assert sorted(seconds) == [1, 2, 3, 4] and max(seconds.values()) < 0.3
