@@ -1,6 +1,10 @@
 """GET /kontext_trainer/progress: the current (or last) training job's state, so a page that
-was reloaded mid-run can redraw its panel: the event payload fields plus every loss so far.
-With no job yet: {"status": "idle"}."""
+was reloaded mid-run can redraw its panel: the event payload fields plus the losses.
+With no job yet: {"status": "idle"}.
+
+`?since=N` returns only the losses after the first N (`losses_from` says where they start):
+the panel fills in the steps between two throttled events without fetching a long run's
+million losses again and again."""
 
 from __future__ import annotations
 
@@ -9,9 +13,20 @@ from .training_job import MANAGER
 ROUTE = "/kontext_trainer/progress"
 
 
-def progress_state() -> dict:
+def progress_state(since: int = 0) -> dict:
     job = MANAGER.current
-    return {"status": "idle"} if job is None else job.state()
+    if job is None:
+        return {"status": "idle"}
+    state = job.state()
+    since = min(max(since, 0), len(state["losses"]))
+    return {**state, "losses": state["losses"][since:], "losses_from": since}
+
+
+def parse_since(value: str | None) -> int:
+    try:
+        return max(int(value or 0), 0)
+    except ValueError:
+        return 0
 
 
 _registered = False
@@ -30,6 +45,6 @@ def register_routes() -> bool:
 
     @server.routes.get(ROUTE)
     async def progress(request):
-        return web.json_response(progress_state())
+        return web.json_response(progress_state(parse_since(request.query.get("since"))))
 
     return True

@@ -1,135 +1,201 @@
-// Kontext Trainer: a live panel on every TrainLoRA node: progress bar, step / total, loss and
-// smoothed loss as a small chart, learning rate, seconds per step, ETA, status and the latest
-// PreviewSampler images. It listens
-// to the one training event (training_events.js) and, after a page reload, redraws itself from
-// GET /kontext_trainer/progress. State per node id lives in window.KontextTrainer.panels.
+// Kontext Trainer: a live panel on every TrainLoRA node: status, progress bar, step / total,
+// loss and smoothed loss with a chart, learning rate, s/step, ETA and the preview history.
+// It follows the one training event (training_events.js) and ComfyUI's queue (a queued run
+// shows "queued" before it starts); after a page reload it redraws itself from
+// GET /kontext_trainer/progress. Runs are keyed by prompt id and node and shown only in their
+// own workflow (training_runs.js). Tests reach the state and the pure helpers through
+// window.KontextTrainer.
+import { drawChart } from "./training_chart.js";
 import { PROGRESS_EVENT } from "./training_events.js";
+import { chartEnvelope, smoothLosses, valueRange } from "./training_math.js";
+import { renderPreviews } from "./training_previews.js";
+import { ENDED, RunStore, workflowKey } from "./training_runs.js";
 
 const { app } = window.comfyAPI.app;
 const { api } = window.comfyAPI.api;
 
-const panels = (window.KontextTrainer ??= {}).panels ??= {};
+const NODE_CLASS = "KontextTrainer_TrainLoRA";
+const ROUTE = "/kontext_trainer/progress";
+const STATUS_COLORS = { idle: "#888", queued: "#a0a0ff", running: "#ffaa3c", finished: "#5fd068" };
+const PROBLEM_COLOR = "#e05050"; // error, cancelled
+const MIN_NODE_WIDTH = 460; // room for three preview thumbnails side by side
+const store = new RunStore();
 
-function stateFor(nodeId) {
-  return (panels[nodeId] ??= { progress: null, losses: [] });
+function shownWorkflowId() {
+  return workflowKey((app.rootGraph ?? app.graph)?.id);
+}
+
+function runShown(nodeId) {
+  return store.runFor(String(nodeId), shownWorkflowId());
 }
 
 function formatSeconds(seconds) {
   if (seconds == null) return "–";
   const s = Math.round(seconds);
+  if (s >= 3600) return `${Math.floor(s / 3600)} h ${Math.floor((s % 3600) / 60)} min`;
   return s >= 60 ? `${Math.floor(s / 60)} min ${s % 60} s` : `${s} s`;
 }
 
-function drawChart(canvas, losses) {
-  const ctx = canvas.getContext("2d");
-  const { width, height } = canvas;
-  ctx.fillStyle = "#18181b";
-  ctx.fillRect(0, 0, width, height);
-  if (losses.length < 2) return;
-  const low = Math.min(...losses);
-  const span = Math.max(...losses) - low || 1;
-  const point = (i, v) => [4 + (i / (losses.length - 1)) * (width - 8), 4 + (1 - (v - low) / span) * (height - 8)];
-  const line = (values, color, widthPx) => {
-    ctx.strokeStyle = color;
-    ctx.lineWidth = widthPx;
-    ctx.beginPath();
-    values.forEach((v, i) => (i ? ctx.lineTo(...point(i, v)) : ctx.moveTo(...point(i, v))));
-    ctx.stroke();
+const count = (n) => Number(n).toLocaleString("en-US");
+
+function texts(run) {
+  const p = run?.progress;
+  const status = run?.status ?? "idle";
+  const speed = p?.seconds_per_step
+    ? `lr ${p.lr?.toExponential(2) ?? "–"} · ${p.seconds_per_step.toFixed(2)} s/step` +
+      (ENDED.includes(status) ? "" : ` · ETA ${formatSeconds(p.eta_seconds)}`)
+    : "";
+  return {
+    status,
+    name: p?.lora_name ?? "",
+    step: p?.total ? `step ${count(p.step)} / ${count(p.total)}` : "",
+    loss: p?.loss != null ? `loss ${p.loss.toFixed(4)} · smoothed ${p.smoothed_loss?.toFixed(4) ?? "–"}` : "",
+    speed,
+    message: p?.message ?? "",
   };
-  let ema = losses[0];
-  const smooth = losses.map((v) => (ema = 0.9 * ema + 0.1 * v));
-  line(losses, "#6e8cbe", 1);
-  line(smooth, "#ffaa3c", 2);
 }
 
-function render(nodeId) {
-  const state = stateFor(nodeId);
-  const p = state.progress;
-  const node = app.graph?.getNodeById(Number(nodeId)) ?? app.graph?.getNodeById(nodeId);
+function render(node) {
   const element = node?.ktTrainingPanel;
-  if (element) {
-    const fraction = p && p.total ? p.step / p.total : 0;
-    element.querySelector(".kt-bar-fill").style.width = `${(100 * fraction).toFixed(1)}%`;
-    element.querySelector(".kt-status").textContent = p ? p.status : "idle";
-    element.querySelector(".kt-step").textContent = p ? `step ${p.step} / ${p.total}` : "";
-    element.querySelector(".kt-loss").textContent =
-      p && p.loss != null ? `loss ${p.loss.toFixed(4)} (smoothed ${p.smoothed_loss.toFixed(4)})` : "";
-    element.querySelector(".kt-speed").textContent =
-      p && p.seconds_per_step ? `lr ${p.lr.toExponential(2)} · ${p.seconds_per_step.toFixed(2)} s/step · ETA ${formatSeconds(p.eta_seconds)}` : "";
-    element.querySelector(".kt-message").textContent = p?.message ?? "";
-    drawChart(element.querySelector("canvas"), state.losses);
-    renderPreviews(element.querySelector(".kt-previews"), p?.previews ?? []);
-  }
+  if (!element) return;
+  const run = runShown(node.id);
+  const p = run?.progress;
+  const field = (name) => element.querySelector(`.kt-${name}`);
+  for (const [name, text] of Object.entries(texts(run))) field(name).textContent = text;
+  field("status").style.background = STATUS_COLORS[run?.status ?? "idle"] ?? PROBLEM_COLOR;
+  field("message").style.color = STATUS_COLORS[run?.status ?? "idle"] ? "#999" : "#f0a0a0";
+  field("status").title = run ? `prompt ${run.promptId}` : "this node has not trained in this workflow";
+  const fraction = p?.total ? Math.min(p.step / p.total, 1) : 0;
+  field("bar-fill").style.width = `${(100 * fraction).toFixed(1)}%`;
+  drawChart(element.querySelector("canvas"), run?.losses ?? []);
+  renderPreviews(field("previews"), p?.previews ?? []);
+  field("no-previews").style.display = p?.previews?.length ? "none" : "flex";
 }
 
-const ENDED = ["finished", "cancelled", "error"];
+function trainNodes() {
+  return (app.graph?.nodes ?? []).filter((node) => node.comfyClass === NODE_CLASS);
+}
 
-async function fetchState() {
-  const response = await api.fetchApi("/kontext_trainer/progress");
+function renderNode(nodeId) {
+  for (const node of trainNodes()) if (String(node.id) === String(nodeId)) render(node);
+}
+
+function renderAll() {
+  for (const node of trainNodes()) render(node);
+}
+
+async function fetchState(since = 0) {
+  const response = await api.fetchApi(`${ROUTE}?since=${since}`);
   return response.json();
 }
 
-function renderPreviews(container, previews) {
-  const key = previews.map((p) => p.filename).join("|");
-  if (container.dataset.key === key) return; // unchanged: keep the loaded images
-  container.dataset.key = key;
-  container.replaceChildren(
-    ...previews.map((p) => {
-      const image = document.createElement("img");
-      const query = new URLSearchParams({ filename: p.filename, subfolder: p.subfolder, type: p.type });
-      image.src = api.apiURL(`/view?${query}`);
-      image.title = `step ${p.step}`;
-      image.style.cssText = "width:64px;height:64px;object-fit:cover;border-radius:3px";
-      return image;
-    }),
-  );
+// Losses of the steps between two throttled events (and the last ones when a run ends): only
+// the missing tail is fetched, one request at a time per run.
+async function fetchLosses(run) {
+  if (run.fetching) return void (run.fetchAgain = true);
+  run.fetching = true;
+  try {
+    const state = await fetchState(run.losses.length);
+    if (state.prompt_id === run.promptId && String(state.node) === run.node) {
+      store.setLosses(run, state.losses_from, state.losses);
+      renderNode(run.node);
+    }
+  } finally {
+    run.fetching = false;
+  }
+  if (run.fetchAgain) {
+    run.fetchAgain = false;
+    if (run.missing) await fetchLosses(run);
+  }
 }
 
-function update(payload, losses) {
-  const state = stateFor(String(payload.node));
-  if (losses) {
-    state.losses = [...losses];
-  } else if (payload.loss != null && payload.step > state.losses.length) {
-    state.losses.push(payload.loss); // events are throttled: some steps arrive only at the end
+function onProgress(payload) {
+  const run = store.applyProgress(payload);
+  renderNode(run.node);
+  if (run.missing || ENDED.includes(run.status)) fetchLosses(run).catch(() => {});
+}
+
+// Every TrainLoRA of a queued or running prompt (from any client) becomes a "queued" run.
+let queueRequests = 0;
+let queueAnswered = 0;
+async function followQueue() {
+  const request = ++queueRequests;
+  const queue = await (await api.fetchApi("/queue")).json();
+  if (request < queueAnswered) return; // a newer answer came first
+  queueAnswered = request;
+  const inQueue = new Set();
+  for (const [, promptId, prompt, extra] of [...queue.queue_running, ...queue.queue_pending]) {
+    inQueue.add(promptId);
+    const workflowId = extra?.extra_pnginfo?.workflow?.id;
+    for (const [nodeId, node] of Object.entries(prompt ?? {})) {
+      if (node.class_type === NODE_CLASS) store.addQueued(promptId, nodeId, workflowId, node.inputs?.lora_name);
+    }
   }
-  state.progress = payload;
-  render(String(payload.node));
-  if (!losses && ENDED.includes(payload.status)) {
-    // the run is over: take every step's loss from the server for the final chart
-    fetchState().then((full) => full.node === payload.node && update(full, full.losses));
-  }
+  store.dropQueuedExcept(inQueue);
+  renderAll();
 }
 
 function panelElement() {
   const element = document.createElement("div");
   element.className = "kt-training-panel";
-  element.style.cssText = "display:flex;flex-direction:column;gap:2px;font:11px sans-serif;color:#ddd;";
+  element.style.cssText =
+    "display:flex;flex-direction:column;gap:4px;font:11px sans-serif;color:#ddd;padding:2px 6px 2px 2px;" +
+    "box-sizing:border-box;overflow:hidden";
   element.innerHTML = `
+    <div style="display:flex;align-items:center;gap:6px;white-space:nowrap">
+      <span class="kt-status" style="padding:1px 6px;border-radius:8px;color:#111;font-weight:600">idle</span>
+      <span class="kt-name" style="overflow:hidden;text-overflow:ellipsis"></span>
+      <span class="kt-step" style="margin-left:auto"></span></div>
     <div style="height:6px;background:#333;border-radius:3px;overflow:hidden">
       <div class="kt-bar-fill" style="height:100%;width:0;background:#ffaa3c"></div></div>
-    <div><span class="kt-status">idle</span> · <span class="kt-step"></span></div>
-    <div class="kt-loss"></div><div class="kt-speed"></div>
-    <canvas width="240" height="80" style="width:100%;height:80px"></canvas>
-    <div class="kt-previews" style="display:flex;gap:4px;flex-wrap:wrap"></div>
-    <div class="kt-message" style="opacity:.7"></div>`;
+    <div class="kt-loss"></div><div class="kt-speed" style="opacity:.8"></div>
+    <canvas style="width:100%;height:96px;border-radius:4px"></canvas>
+    <div class="kt-previews" style="display:none;gap:6px;overflow-x:auto;padding-bottom:2px"></div>
+    <div class="kt-no-previews" style="height:150px;display:flex;align-items:center;justify-content:center;
+      border:1px dashed #444;border-radius:4px;color:#777;text-align:center;padding:0 12px">
+      previews appear here while it trains (connect a PreviewSampler)</div>
+    <div class="kt-message" style="white-space:pre-wrap;overflow-wrap:anywhere"></div>`;
   return element;
 }
+
+window.KontextTrainer = Object.assign(window.KontextTrainer ?? {}, {
+  runs: store,
+  runShown,
+  shownWorkflowId,
+  redraw: renderAll,
+  smoothLosses,
+  chartEnvelope,
+  valueRange,
+  drawChart,
+});
 
 app.registerExtension({
   name: "KontextTrainer.TrainingPanel",
   async setup() {
-    api.addEventListener(PROGRESS_EVENT, ({ detail }) => update(detail));
+    api.addEventListener(PROGRESS_EVENT, ({ detail }) => onProgress(detail));
+    api.addEventListener("status", () => followQueue().catch(() => {}));
+    api.addEventListener("execution_start", () => followQueue().catch(() => {}));
+    api.addEventListener("execution_error", ({ detail }) => {
+      const run = store.applyError(detail.prompt_id, detail.node_id, detail.exception_message);
+      if (run) renderNode(run.node);
+    });
     const state = await fetchState();
-    if (state.node != null) update(state, state.losses);
+    if (state.node != null) {
+      const run = store.applyProgress(state);
+      store.setLosses(run, state.losses_from ?? 0, state.losses);
+    }
+    await followQueue();
   },
   nodeCreated(node) {
-    if (node.comfyClass !== "KontextTrainer_TrainLoRA") return;
+    if (node.comfyClass !== NODE_CLASS) return;
     node.ktTrainingPanel = panelElement();
     node.addDOMWidget("training_panel", "div", node.ktTrainingPanel, {
       serialize: false,
       hideOnZoom: false,
-      getMinHeight: () => 240,
+      getMinHeight: () => 360,
     });
-    setTimeout(() => render(String(node.id))); // the id is final once the graph has added the node
+    node.setSize([Math.max(node.size[0], MIN_NODE_WIDTH), node.size[1]]); // a saved size wins later
+    // the node id and the workflow (graph id) are final once the graph has added the node
+    setTimeout(() => render(node));
   },
 });
