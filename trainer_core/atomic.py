@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from pathlib import Path
 
 PARTIAL = ".partial"
-# The longest temp name we form is ".<name>.<12 hex>.partial": 22 bytes around the name.
-TEMP_NAME_OVERHEAD = len(".") + 1 + 12 + len(PARTIAL)
 
 
 def temp_sibling(path: Path) -> Path:
