@@ -4,12 +4,20 @@ ComfyUI).
 `flux_lora_session(model, config)` is a context manager that
 1. clones the MODEL (`with_reference_ids`: our reference layout) and installs the out-of-place
    block forwards on the clone (`flux_blocks`), all as ModelPatcher patches;
-2. loads the clone the way sampling does (`load_models_gpu`), so any weight patches the MODEL
-   carries (a LoRA from the stock loader, ...) are applied: we train exactly the model the
-   user loaded;
-3. attaches peft LoRA layers to the shared diffusion model for the duration of the `with`
-   block and removes them on exit, whatever happens. The MODEL object the user holds never
-   gets a patch, and once the block exits its module tree is the original one again.
+2. (fp8_scaled only) gives the clone's block linears scaled fp8 weights *before* loading
+   (`fp8_scaled`), so the GPU never holds the full-precision model;
+3. loads the clone the way sampling does (`load_models_gpu`: fully or partially, by ComfyUI's
+   own accounting), so any weight patches the MODEL carries (a LoRA from the stock loader,
+   ...) are applied: we train exactly the model the user loaded. From then until the run ends
+   ComfyUI's model management leaves the clone alone (`comfy_loading.held_for_training`);
+4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
+   the CPU) to the shared diffusion model for the duration of the `with` block, optionally
+   swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
+   object the user holds never gets a patch, and once the block exits its module tree is the
+   original one again.
+
+Device discipline: the cached samples stay on the CPU; `predict` moves each batch to the
+load device and the loss is computed where the model computed (`flow_step`).
 
 `FluxLoraSession.predict` is the model call of the objective: for a batch whose samples share
 their sizes it is exactly the call `BaseModel._apply_model` makes (ComfyUI's Flux `forward`
@@ -35,8 +43,9 @@ from ..trainer_core.lora_adapters import AttachedLora, attach_lora
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.token_batch import TokenBatch, pack_latent
+from .comfy_loading import held_for_training
 from .flux_blocks import install_trainable_blocks
-from .fp8_scaled import fp8_scaled_blocks
+from .fp8_scaled import fp8_scaled_weights
 from .reference_ids import forward_token_batch, with_reference_ids
 
 
@@ -168,21 +177,35 @@ def make_autograd_safe_(module: torch.nn.Module) -> int:
     return len(replaced)
 
 
+def comfy_keeps_placement(module: torch.nn.Module) -> bool:
+    """True for a layer ComfyUI's partial ("lowvram") load left on the offload device and casts
+    per use (`ModelPatcher.load` marks it with `prev_comfy_cast_weights`): block swap leaves
+    such layers where ComfyUI put them."""
+    return hasattr(module, "prev_comfy_cast_weights")
+
+
 def block_swapper(patcher, blocks_to_swap: int, poison: bool = False) -> BlockSwapper:
     """Swap `blocks_to_swap` blocks (single blocks first) between the patcher's load device
     and its offload device (ComfyUI's own pair: GPU and CPU, or CPU and CPU).
 
     Co-operation with ComfyUI's model management: the clone is loaded the normal way first
     (`load_models_gpu`, which applies the MODEL's weight patches); the swapper then moves the
-    swapped blocks' frozen weights to the offload device and, when training ends, brings
-    them back, so ComfyUI finds the model as it loaded it. While training, ComfyUI's
-    accounting still counts those weights as on the GPU: it over-estimates our use, the safe
-    side. (Partial "lowvram" loads keep some weights on the CPU and cast them per layer;
-    those layers simply run as ComfyUI loaded them.) `poison` is for tests (see BlockSwapper)."""
+    swapped blocks' frozen weights that ComfyUI put on the GPU to host buffers and, when
+    training ends, brings exactly those back, so ComfyUI finds the model as it loaded it.
+    Layers a partial load left on the CPU are not touched (`comfy_keeps_placement`). While
+    training, ComfyUI's accounting still counts the swapped weights as on the GPU: it
+    over-estimates our use, the safe side. `poison` is for tests (see BlockSwapper)."""
     flux = patcher.model.diffusion_model
     blocks = [*flux.double_blocks, *flux.single_blocks]
     swapped = choose_swapped(len(flux.double_blocks), len(flux.single_blocks), blocks_to_swap)
-    return BlockSwapper(blocks, swapped, patcher.load_device, patcher.offload_device, poison=poison)
+    return BlockSwapper(
+        blocks,
+        swapped,
+        patcher.load_device,
+        patcher.offload_device,
+        poison=poison,
+        keeps_placement=comfy_keeps_placement,
+    )
 
 
 def _without_pins(patcher, action) -> None:
@@ -220,25 +243,30 @@ def flux_lora_session(
     """
     import comfy.model_management
 
-    with torch.inference_mode(False), torch.random.fork_rng(devices=_rng_devices()):
+    with (
+        torch.inference_mode(False),
+        torch.random.fork_rng(devices=_rng_devices()),
+        contextlib.ExitStack() as undo,
+    ):
         torch.manual_seed(config.seed)
         clone = with_reference_ids(model)
+        if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
+            undo.enter_context(fp8_scaled_weights(clone))
         comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
+        undo.enter_context(held_for_training(clone))
         diffusion_model = clone.model.diffusion_model
         _without_pins(clone, lambda: make_autograd_safe_(diffusion_model))
         names = target_module_names(linear_names(diffusion_model), config.targets)
-        lora = attach_lora(diffusion_model, names, config.rank, config.alpha, config.dropout, initial)
+        lora = attach_lora(
+            diffusion_model, names, config.rank, config.alpha, config.dropout, initial, clone.load_device
+        )
+        undo.callback(lora.detach)
         swapper = None
-        was_training = diffusion_model.training
-        with contextlib.ExitStack() as undo:
-            undo.callback(lora.detach)
-            if config.fp8_mode == "fp8_scaled":  # before the swapper, which moves these weights
-                undo.enter_context(fp8_scaled_blocks(diffusion_model, clone.offload_device))
-            if config.blocks_to_swap:
-                swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
-                undo.callback(swapper.restore)
-                swapper.prepare()
-            install_trainable_blocks(clone, config.gradient_checkpointing, swapper)
-            undo.callback(diffusion_model.train, was_training)
-            diffusion_model.train(config.dropout > 0)
-            yield FluxLoraSession(clone, lora, config, empty_text, swapper)
+        if config.blocks_to_swap:
+            swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
+            undo.callback(swapper.restore)
+            swapper.prepare()
+        install_trainable_blocks(clone, config.gradient_checkpointing, swapper)
+        undo.callback(diffusion_model.train, diffusion_model.training)
+        diffusion_model.train(config.dropout > 0)
+        yield FluxLoraSession(clone, lora, config, empty_text, swapper)

@@ -2,11 +2,19 @@
 float8 e4m3 weights with one float32 scale per output channel; everything else (norms,
 modulation, embeddings, the final layer) stays as loaded.
 
-A layer computes with `weight_fp8.to(compute dtype) * scale[:, None]` through ComfyUI's own
-per-layer hook (`weight_function`, run by `comfy.ops.cast_bias_weight` after the cast), so
-ComfyUI's Linear still does the work. The original weights wait on the offload device (the
-CPU) and are put back, the same Parameter objects, when the run ends: the MODEL other
-workflows use is bit-identical afterwards.
+The weights are quantised *before* ComfyUI loads the training clone, one layer at a time on
+the compute device, so the GPU never holds the bf16 model: ComfyUI then loads (fully or
+partially, by its own accounting) the fp8 sizes. A layer computes with
+`weight_fp8.to(compute dtype) * scale[:, None]` through ComfyUI's own per-layer hook
+(`weight_function`, registered as the clone's weight wrapper, run by
+`comfy.ops.cast_bias_weight` after the cast), so ComfyUI's Linear still does the work. A
+weight patch the MODEL carries for such a layer (a LoRA from the stock loader) is not folded
+into the fp8 values, where rounding would blur it: it moves from the clone's weight patches
+to the same hook, after the scale (ComfyUI's `LowVramPatch`, as a partial load applies
+patches), so the user's LoRA is applied exactly on every load, full or partial. The original
+weights stay where the loader put them and are put back, the same Parameter objects, when the
+run ends and ComfyUI has unloaded the clone: the MODEL other workflows use is bit-identical
+afterwards.
 """
 
 from __future__ import annotations
@@ -49,27 +57,37 @@ def scaled_layer_names(diffusion_model) -> list[str]:
 
 
 @contextlib.contextmanager
-def fp8_scaled_blocks(diffusion_model, offload_device: torch.device):
-    """Swap the block linears' weights for scaled e4m3 ones inside the `with` block."""
+def fp8_scaled_weights(patcher):
+    """Give the block linears of `patcher` (the training clone, not yet loaded) scaled e4m3
+    weights inside the `with` block; on exit ComfyUI unloads the clone and the originals
+    return."""
+    from comfy.model_patcher import LowVramPatch
+
+    from .comfy_loading import unload_through_comfyui
+
+    unload_through_comfyui(patcher, every_clone=True)  # the module now holds unpatched weights
+    diffusion_model = patcher.model.diffusion_model
+    compute = patcher.load_device
     swapped = []
     try:
         for name in scaled_layer_names(diffusion_model):
             layer = diffusion_model.get_submodule(name)
-            layer = layer.get_base_layer() if hasattr(layer, "get_base_layer") else layer
+            key = f"diffusion_model.{name}.weight"
             original = layer.weight
-            values, scale = quantize_rows(original)
-            own_functions = layer.__dict__.get("weight_function")  # None: the class-level default
-            home = original.device
-            swapped.append((layer, original, own_functions, home))
-            original.data = original.data.to(offload_device)
-            layer.weight = torch.nn.Parameter(values, requires_grad=False)
-            layer.weight_function = [*(own_functions or []), ScaleRows(scale.to(home))]
+            values, scale = quantize_rows(original.to(compute))  # one layer at a time
+            swapped.append((layer, original, layer.__dict__.get("weight_function")))
+            layer.weight = torch.nn.Parameter(values.to(original.device), requires_grad=False)
+            patcher.add_weight_wrapper(key, ScaleRows(scale))
+            patches = patcher.patches.pop(key, None)
+            if patches:  # after the scale: the delta is added to the real weight
+                patcher.add_weight_wrapper(key, LowVramPatch(key, {key: patches}))
+        patcher.size = 0  # ComfyUI caches the model's size: let it count the fp8 weights
         yield len(swapped)
     finally:
-        for layer, original, own_functions, home in reversed(swapped):
-            original.data = original.data.to(home)
+        unload_through_comfyui(patcher)
+        for layer, original, own_functions in reversed(swapped):
             layer.weight = original
             if own_functions is None:
-                del layer.weight_function
+                layer.__dict__.pop("weight_function", None)  # back to the class default
             else:
                 layer.weight_function = own_functions

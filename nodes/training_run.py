@@ -109,15 +109,15 @@ def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estima
     """The estimate for this model, dataset and config (shown before training starts)."""
     flux = model.model.diffusion_model
     itemsize = flux.double_blocks[0].img_attn.qkv.weight.element_size()
+    loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
     return estimate_vram(
         FluxShape.of(flux.params),
         resolution=dataset.settings.resolution,
         references=dataset.reference_count,
         batch=config.batch_size,
         rank=config.rank,
-        weight_format="fp8_scaled"
-        if config.fp8_mode == "fp8_scaled"
-        else {1: "fp8", 2: "bf16"}.get(itemsize, "fp32"),
+        weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
+        base_format=loaded,
         blocks_to_swap=config.blocks_to_swap,
         gradient_checkpointing=config.gradient_checkpointing,
     )

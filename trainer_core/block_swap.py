@@ -15,13 +15,22 @@ starts, by which time autograd has finished with it. At most two swapped blocks 
 resident at any moment: the one computing and the one arriving. This needs gradient
 checkpointing: without it autograd would keep the weights of every block for backward.
 
-How: only tensors that do not require grad move (the base weights); the LoRA parameters stay
-on the compute device, so the optimizer never sees a device change. On CUDA, the host copies
-are pinned, copies run on a side stream, and events order them against the compute stream
-(the block waits for its arrival; a departure waits for the block's kernels). On CPU both
-devices are the CPU: the same scheduler runs and every transfer is recorded; nothing is
-copied, except with `poison=True` (tests), where a departed block's weights are replaced by
-NaN until it returns, so any use of a block that is not resident shows up in the results.
+How: tensor by tensor. A tensor moves only if it does not require grad (the base weights;
+the LoRA parameters stay on the compute device, so the optimizer never sees a device change),
+it sits on the compute device when swapping starts, and its module is not one the host
+application keeps elsewhere (`keeps_placement`: ComfyUI's partial "lowvram" loads leave some
+layers on the CPU and cast them per use; those stay exactly where ComfyUI put them). Each
+moved tensor gets one host buffer for the whole run (pinned on CUDA), filled once in
+`prepare`. Base weights are frozen, so a departing block is not copied back: its tensors
+point at their host buffers again and the device copies are freed. An arriving block is
+copied from its host buffers on a side stream into fresh device memory; the compute stream
+waits for that copy's event before the block runs, and the device memory is recorded as used
+by the compute stream, so the allocator reuses it only after the block's kernels are done.
+The host buffers live until `restore`, which waits for every copy and puts each moved tensor
+back on the device it came from. On CPU both devices are the CPU: the same scheduler runs
+and every transfer is recorded; nothing is copied, except with `poison=True` (tests), where a
+departed block's weights are replaced by NaN until it returns, so any use of a block that is
+not resident shows up in the results.
 """
 
 from __future__ import annotations
@@ -52,6 +61,16 @@ def in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+class _Slot:
+    """One moved tensor: the Parameter/buffer object (its `.data` is switched), its host
+    buffer and the device it came from."""
+
+    __slots__ = ("home", "host", "tensor")
+
+    def __init__(self, tensor: torch.Tensor, host: torch.Tensor, home: torch.device):
+        self.tensor, self.host, self.home = tensor, host, home
+
+
 class BlockSwapper:
     def __init__(
         self,
@@ -61,6 +80,7 @@ class BlockSwapper:
         offload_device: torch.device,
         on_transfer: TransferHook | None = None,
         poison: bool = False,
+        keeps_placement: Callable[[torch.nn.Module], bool] | None = None,
     ):
         self.blocks = list(blocks)
         self.swapped = sorted(set(swapped))
@@ -68,70 +88,80 @@ class BlockSwapper:
         self.offload = torch.device(offload_device)
         self.on_transfer = on_transfer
         self.poison = poison
-        self._stash: dict[int, list[torch.Tensor]] = {}  # poison mode: the real values
+        self.keeps_placement = keeps_placement or (lambda module: False)
         self.cuda = self.compute.type == "cuda"
+        self.copies = self.compute != self.offload  # False on CPU-only runs: bookkeeping only
         self.stream = torch.cuda.Stream(device=self.compute) if self.cuda else None
         self.resident: set[int] = set()  # swapped blocks currently on the compute device
         self._arrivals: dict[int, object] = {}  # block -> CUDA event of its in-flight copy
-        self._frozen = {i: self._frozen_tensors(self.blocks[i]) for i in self.swapped}
+        self.slots: dict[int, list[_Slot]] = {}  # filled by prepare()
 
-    @staticmethod
-    def _frozen_tensors(block: torch.nn.Module) -> list[torch.Tensor]:
-        tensors = [p for p in block.parameters() if not p.requires_grad]
-        return tensors + list(block.buffers())
+    def moving_tensors(self, block: torch.nn.Module) -> list[torch.Tensor]:
+        """The tensors of `block` that swapping moves (see the module docstring)."""
+        seen, chosen = set(), []
+        for module in block.modules():
+            if self.keeps_placement(module):
+                continue
+            own = [p for p in module.parameters(recurse=False) if not p.requires_grad]
+            for tensor in own + list(module.buffers(recurse=False)):
+                if id(tensor) not in seen and tensor.device == self.compute:
+                    seen.add(id(tensor))
+                    chosen.append(tensor)
+        return chosen
+
+    def _host_buffer(self, value: torch.Tensor) -> torch.Tensor:
+        if not self.copies:
+            return value
+        if value.is_meta:  # a meta tensor holds no values to copy (device-discipline tests)
+            return torch.empty_like(value, device=self.offload)
+        host = torch.empty_like(value, device=self.offload, pin_memory=self.cuda)
+        host.copy_(value)
+        return host
 
     # -- moving one block ------------------------------------------------------------------
-    def _move(self, index: int, device: torch.device, direction: str) -> None:
+    def _move(self, index: int, direction: str) -> None:
         if self.on_transfer is not None:
             self.on_transfer(direction, index)
-        tensors = self._frozen[index]
-        if self.poison:
-            if direction == "out":
-                self._stash[index] = [t.data for t in tensors]
-                for tensor in tensors:
-                    tensor.data = torch.full_like(tensor.data, float("nan"))
-            else:
-                for tensor, value in zip(tensors, self._stash.pop(index), strict=True):
-                    tensor.data = value
+        slots = self.slots[index]
+        if direction == "out":  # frozen weights: the host buffer already holds the values
+            for slot in slots:
+                slot.tensor.data = torch.full_like(slot.host, float("nan")) if self.poison else slot.host
             return
-        if not tensors or tensors[0].device == device:
-            return  # CPU-only runs: the scheduler's bookkeeping without copies
-        if not self.cuda:
-            for tensor in tensors:
-                tensor.data = tensor.data.to(device)
+        if not self.copies or not self.cuda:
+            for slot in slots:
+                slot.tensor.data = slot.host.to(self.compute) if self.copies else slot.host
             return
         compute_stream = torch.cuda.current_stream(self.compute)
-        if direction == "out":
-            self.stream.wait_stream(compute_stream)  # the block's kernels are done with it
         with torch.cuda.stream(self.stream):
-            for tensor in tensors:
-                pinned = direction == "out"
-                moved = torch.empty_like(tensor.data, device=device, pin_memory=pinned)
-                moved.copy_(tensor.data, non_blocking=True)
-                tensor.data.record_stream(self.stream)
-                tensor.data = moved
+            for slot in slots:
+                arrived = torch.empty_like(slot.host, device=self.compute)
+                arrived.copy_(slot.host, non_blocking=True)  # the host buffer outlives the copy
+                arrived.record_stream(compute_stream)  # freed only after the block's kernels
+                slot.tensor.data = arrived
             event = torch.cuda.Event()
             event.record(self.stream)
-        if direction == "in":
-            self._arrivals[index] = event
+        self._arrivals[index] = event
 
     def _arrive(self, index: int) -> None:
         if index in self.resident:
             return
-        self._move(index, self.compute, "in")
+        self._move(index, "in")
         self.resident.add(index)
 
     def _depart(self, index: int) -> None:
         if index not in self.resident:
             return
         self._arrivals.pop(index, None)
-        self._move(index, self.offload, "out")
+        self._move(index, "out")
         self.resident.discard(index)
 
     # -- the schedule ------------------------------------------------------------------------
     def prepare(self) -> None:
-        """Send every swapped block to the offload device (once, before training)."""
+        """Give every moving tensor its host buffer and send the swapped blocks there (once,
+        before training)."""
         for index in self.swapped:
+            tensors = self.moving_tensors(self.blocks[index])
+            self.slots[index] = [_Slot(t, self._host_buffer(t.data), t.device) for t in tensors]
             self.resident.add(index)
             self._depart(index)
 
@@ -140,7 +170,7 @@ class BlockSwapper:
         if backward:  # blocks above this one have finished their backward
             for done in [i for i in self.resident if i > index]:
                 self._depart(done)
-        if index in self._frozen:
+        if index in self.slots:
             self._arrive(index)
             event = self._arrivals.pop(index, None)
             if event is not None:
@@ -151,13 +181,19 @@ class BlockSwapper:
 
     def after(self, index: int, backward: bool | None = None) -> None:
         backward = in_backward() if backward is None else backward
-        if index in self._frozen and not backward:
+        if index in self.slots and not backward:
             self._depart(index)
 
     def restore(self) -> None:
-        """Bring every swapped block back to the compute device (the model as it was loaded)."""
-        for index in self.swapped:
-            self._arrive(index)
+        """Put every moved tensor back on the device it came from, as the host application
+        placed it (tensors swapping did not move were never touched), and free the host
+        buffers."""
         if self.cuda:
-            torch.cuda.current_stream(self.compute).wait_stream(self.stream)
+            self.stream.synchronize()  # no copy may still read a host buffer
+        for index, slots in self.slots.items():
+            for slot in slots:
+                if index not in self.resident or self.poison:
+                    slot.tensor.data = slot.host.to(slot.home) if self.copies else slot.host
+        self.resident = set(self.slots)
         self._arrivals.clear()
+        self.slots = {}

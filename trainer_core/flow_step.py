@@ -88,7 +88,9 @@ def flow_matching_loss(
         empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
     context, pooled = _stack_text(texts)
-    # 5) predict and compare on target tokens only
+    # 5) predict and compare on target tokens only, on the device the model computed on (the
+    # samples may wait on the CPU while the model runs on a GPU)
     prediction = predict(replace(clean, tokens=noisy_tokens), sigma.to(device), context, pooled)
-    weights = loss_weights(sigma, config.loss_weighting).to(device)
-    return masked_flow_loss(prediction, velocity, clean.target, weights)
+    on = prediction.device
+    weights = loss_weights(sigma, config.loss_weighting)
+    return masked_flow_loss(prediction, velocity.to(on), clean.target.to(on), weights.to(on))

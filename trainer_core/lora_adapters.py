@@ -96,8 +96,13 @@ def attach_lora(
     alpha: float,
     dropout: float = 0.0,
     initial: Mapping[str, LoraModule] | None = None,
+    device: torch.device | str | None = None,
 ) -> AttachedLora:
     """Wrap `names` (Linear layers of `model`) with trainable float32 LoRA layers.
+
+    The LoRA factors live on `device` (the compute device), or where each base weight is if
+    None. A partial load leaves some base weights on the CPU (cast to the GPU per use): their
+    factors still belong on the GPU with the activations.
 
     With `initial` (e.g. a LoRA file read by `lora_file.from_state_dict`), its modules are
     the targets and their rank, alpha and weights are used; otherwise peft's initialisation
@@ -140,8 +145,8 @@ def attach_lora(
         for name, layer in attached.layers():
             base_dtype = modules[name].weight.dtype
             dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
-            layer.lora_A.to(dtype)
-            layer.lora_B.to(dtype)
+            layer.lora_A.to(device=device, dtype=dtype)
+            layer.lora_B.to(device=device, dtype=dtype)
         for param in model.parameters():
             param.requires_grad_(False)
         for param in attached.parameters():

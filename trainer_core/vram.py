@@ -62,6 +62,15 @@ class FluxShape:
         h = self.hidden
         return [(h, 3 * h + self.mlp), (h + self.mlp, h), (h, 3 * h)]
 
+    def double_block_modulation(self) -> int:
+        """Weights of a double block's two modulation layers (kept as loaded by fp8_scaled)."""
+        h = self.hidden
+        return 2 * (h * 6 * h + 6 * h)
+
+    def single_block_modulation(self) -> int:
+        h = self.hidden
+        return h * 3 * h + 3 * h
+
     def double_block_weights(self) -> int:
         return sum(i * o + o for i, o in self.double_block_linears())
 
@@ -127,9 +136,14 @@ def estimate_vram(
     blocks_to_swap: int = 0,
     gradient_checkpointing: bool = True,
     text_tokens: int = T5_TOKENS,
+    base_format: str = "bf16",
 ) -> Estimate:
-    if weight_format not in WEIGHT_BYTES:
-        raise ValueError(f"unknown weight format {weight_format!r}; choose one of {', '.join(WEIGHT_BYTES)}")
+    """`base_format`: how the loader stored the weights fp8_scaled does not convert."""
+    if weight_format not in WEIGHT_BYTES or base_format not in WEIGHT_BYTES:
+        raise ValueError(
+            f"unknown weight format {weight_format!r} / {base_format!r}; "
+            f"choose one of {', '.join(WEIGHT_BYTES)}"
+        )
     per_weight = WEIGHT_BYTES[weight_format]
     singles, doubles = swap_split(blocks_to_swap, shape)
     resident_blocks = (shape.double_blocks - doubles) * shape.double_block_weights()
@@ -138,6 +152,12 @@ def estimate_vram(
     if singles or doubles:  # two swap slots: the block computing and the one being prefetched
         in_flight = 2 * (shape.double_block_weights() if doubles else shape.single_block_weights())
     weights = (resident_blocks + in_flight + shape.other_weights()) * per_weight
+    if weight_format == "fp8_scaled":  # modulation and the small layers stay as loaded
+        resident_doubles = shape.double_blocks - doubles + (2 if doubles else 0)
+        resident_singles = shape.single_blocks - singles + (2 if singles and not doubles else 0)
+        kept = resident_doubles * shape.double_block_modulation()
+        kept += resident_singles * shape.single_block_modulation() + shape.other_weights()
+        weights += kept * (WEIGHT_BYTES[base_format] - per_weight)
     # LoRA on every block linear: fp32 weight + gradient + two AdamW moments = 16 bytes per value
     lora_values = rank * (
         shape.double_blocks * sum(i + o for i, o in shape.double_block_linears())

@@ -96,3 +96,55 @@ def test_the_first_swapped_block_is_prefetched_during_earlier_blocks():
     swapper.after(0, backward=False)
     swapper.before(1, backward=False)
     assert events == [("in", 2)] and swapper.resident == {2}
+
+
+def split_block():
+    """A block as a partial load leaves it: two layers loaded on the compute device, one kept
+    on the CPU by the host application (ComfyUI's lowvram layers, cast per use; marked here
+    the way `keeps_placement` recognises it) and a trainable factor."""
+    block = torch.nn.ModuleDict(
+        {
+            "loaded": torch.nn.Linear(3, 4),
+            "also_loaded": torch.nn.Linear(4, 4),
+            "lowvram": torch.nn.Linear(4, 2),
+            "lora": torch.nn.Linear(2, 2, bias=False),
+        }
+    )
+    block.lowvram.kept_by_host = True
+    for name, layer in block.items():
+        layer.requires_grad_(name == "lora")
+    return block
+
+
+def kept_by_host(module):
+    return getattr(module, "kept_by_host", False)
+
+
+def test_a_split_block_moves_only_its_loaded_frozen_tensors_and_restores_them():
+    blocks_ = [split_block(), split_block()]
+    before = [{n: (t, t.detach().clone(), t.data_ptr()) for n, t in b.named_parameters()} for b in blocks_]
+    swapper = BlockSwapper(blocks_, [1], "cpu", "cpu", poison=True, keeps_placement=kept_by_host)
+    swapper.prepare()
+    departed = {n for n, t in blocks_[1].named_parameters() if torch.isnan(t).all()}
+    assert departed == {"loaded.weight", "loaded.bias", "also_loaded.weight", "also_loaded.bias"}
+    assert len(swapper.slots[1]) == 4 and 0 not in swapper.slots
+    lowvram = blocks_[1].lowvram.weight
+    assert lowvram.data_ptr() == before[1]["lowvram.weight"][2]  # ComfyUI's layer: never touched
+    swapper.before(1, backward=False)
+    assert not any(torch.isnan(t).any() for t in blocks_[1].parameters())
+    swapper.after(1, backward=False)
+    swapper.restore()
+    for block, saved in zip(blocks_, before, strict=True):
+        after = dict(block.named_parameters())
+        for name, (tensor, value, _) in saved.items():
+            assert after[name] is tensor and torch.equal(tensor, value)
+    assert blocks_[1].lowvram.weight.data_ptr() == before[1]["lowvram.weight"][2]
+    assert swapper.slots == {}  # host buffers released
+
+
+def test_only_tensors_on_the_compute_device_move():
+    block = split_block()
+    swapper = BlockSwapper([block], [0], "meta", "cpu", keeps_placement=kept_by_host)
+    assert swapper.moving_tensors(block) == []  # all on the CPU: not on the compute device
+    block.loaded.to("meta")
+    assert swapper.moving_tensors(block) == [block.loaded.weight, block.loaded.bias]

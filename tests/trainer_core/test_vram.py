@@ -85,3 +85,20 @@ def test_shape_from_comfyui_params():
         in_channels, patch_size, context_in_dim, vec_in_dim = 16, 2, 4096, 768
 
     assert FluxShape.of(Params) == FLUX
+
+
+def test_fp8_scaled_keeps_modulation_and_small_layers_as_loaded():
+    """By hand: attention and MLP weights at 1 byte + a 4-byte scale per row, modulation and
+    the embedders / final layer at the loaded bf16 size."""
+    shape = FluxShape()
+    h, mlp = shape.hidden, shape.mlp
+    double_scaled = 2 * sum(i * o + o for i, o in [(h, 3 * h), (h, h), (h, mlp), (mlp, h)])
+    single_scaled = sum(i * o + o for i, o in [(h, 3 * h + mlp), (h + mlp, h)])
+    double_mod, single_mod = 2 * (h * 6 * h + 6 * h), h * 3 * h + 3 * h
+    scaled = shape.double_blocks * double_scaled + shape.single_blocks * single_scaled
+    kept = shape.double_blocks * double_mod + shape.single_blocks * single_mod + shape.other_weights()
+    expected = (scaled * (1 + 1 / 3072) + kept * 2) / 2**30
+    estimate = estimate_vram(shape, weight_format="fp8_scaled", base_format="bf16")
+    assert abs(estimate.weights - expected) < 1e-9
+    assert estimate_vram(shape, weight_format="fp8").weights < estimate.weights
+    assert estimate.weights < estimate_vram(shape, weight_format="bf16").weights

@@ -1,0 +1,78 @@
+"""The training clone and ComfyUI's model management: unloading a model the way ComfyUI does,
+and keeping the training clone where training put it for the length of a run."""
+
+from __future__ import annotations
+
+import contextlib
+
+HOLD_KEY = "kontext_trainer_training_hold"
+
+
+def loaded_entries(match) -> list:
+    import comfy.model_management
+
+    return [
+        loaded
+        for loaded in comfy.model_management.current_loaded_models
+        if loaded.model is not None and match(loaded.model)
+    ]
+
+
+def unload_through_comfyui(patcher, every_clone: bool = False) -> None:
+    """Unload `patcher` (with `every_clone`: every patcher of its model) the way ComfyUI's
+    model management does (`LoadedModel.model_unload`: weight patches undone, weights on the
+    offload device), so the module holds the weights as the loader made them."""
+    import comfy.model_management
+
+    def match(other):
+        return other.model is patcher.model if every_clone else other is patcher
+
+    for loaded in loaded_entries(match):
+        comfy.model_management.current_loaded_models.remove(loaded)
+        loaded.model_unload()
+    if patcher.model.current_weight_patches_uuid is not None:  # loaded outside the manager
+        patcher.unpatch_model(patcher.offload_device)
+
+
+def _prepare_sampling_in_place(executor, model, noise_shape, conds, model_options=None):
+    """The training clone's PREPARE_SAMPLING wrapper: previews sample the model exactly as
+    training holds it. ComfyUI's `_prepare_sampling` without loading the clone itself (it is
+    loaded; loading it again could move or re-patch weights under the run); additional
+    models (a ControlNet in the conditioning, ...) still load."""
+    import comfy.model_management
+    import comfy.sampler_helpers as helpers
+
+    models, inference_memory = helpers.get_additional_models(conds, model.model_dtype())
+    models += helpers.get_additional_models_from_model_options(model_options)
+    models += model.get_nested_additional_models()
+    if models:
+        memory, minimum = helpers.estimate_memory(model, noise_shape, conds)
+        comfy.model_management.load_models_gpu(
+            models,
+            memory_required=memory + inference_memory,
+            minimum_memory_required=minimum + inference_memory,
+        )
+    return model.model, conds, models
+
+
+@contextlib.contextmanager
+def held_for_training(patcher):
+    """While training, ComfyUI's model management cannot unload, partially unload or re-patch
+    the training clone: it leaves ComfyUI's list of loaded models (so freeing memory for the
+    VAE, the "unload models" button or another model's load pass it by), and previews sample
+    it in place (`_prepare_sampling_in_place`). Afterwards it is a loaded model like any
+    other again."""
+    import comfy.model_management
+    import comfy.patcher_extension
+
+    held = loaded_entries(lambda other: other is patcher)
+    for loaded in held:
+        comfy.model_management.current_loaded_models.remove(loaded)
+    kind = comfy.patcher_extension.WrappersMP.PREPARE_SAMPLING
+    patcher.add_wrapper_with_key(kind, HOLD_KEY, _prepare_sampling_in_place)
+    try:
+        yield
+    finally:
+        patcher.remove_wrappers_with_key(kind, HOLD_KEY)
+        for loaded in reversed(held):
+            comfy.model_management.current_loaded_models.insert(0, loaded)
