@@ -1,13 +1,18 @@
 # The two commands of the README, and the set-up step both share.
 #   make demo   set up, then train a LoRA end to end through a headless ComfyUI
 #   make test   set up, then lint and run every test layer
-.PHONY: setup test demo lint
+#   make test-gpu   set up, then the GPU layer (tests/gpu) with ComfyUI booted on CUDA
+.PHONY: setup test test-gpu demo lint
 
 setup:
 	@bash scripts/setup.sh
 
 test: setup
 	@bash scripts/test.sh
+
+# Fails (does not skip) where torch sees no CUDA device. -rP prints the measured figures.
+test-gpu: setup
+	@KT_TEST_DEVICE=cuda .venv/bin/python -m pytest tests/gpu -m gpu -rP
 
 demo: setup
 	@bash scripts/demo.sh

@@ -4,8 +4,9 @@ the demo (`scripts/demo.py`) and by the end-to-end tests (`tests/kt_testing` re-
     with ComfyServer(base_dir) as server:
         server.get_json("/object_info")
 
-It is started as `python main.py --cpu ...` from the ComfyUI root, logs to a file in the base
-directory, and is stopped by its PID (SIGTERM, then SIGKILL after a grace period).
+It is started as `python main.py --cpu ...` from the ComfyUI root (without `--cpu` when
+KT_TEST_DEVICE=cuda or `device="cuda"`: ComfyUI then picks the GPU as a user's would), logs to a
+file in the base directory, and is stopped by its PID (SIGTERM, then SIGKILL after a grace period).
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 COMFYUI_ENV = "KONTEXT_TRAINER_COMFYUI"
 # The folder name the pack gets inside a test ComfyUI's custom_nodes.
 PACK_DIR_NAME = "kontext-trainer"
+# Which device test ComfyUIs (in-process and servers) run on: "cpu" (the default, `--cpu`) or
+# "cuda" (no `--cpu`; the GPU layer, `make test-gpu`).
+TEST_DEVICE_ENV = "KT_TEST_DEVICE"
+COMFY_DEVICES = ("cpu", "cuda")
 
 
 def comfyui_root() -> Path:
@@ -36,6 +41,14 @@ def comfyui_root() -> Path:
         hint = f"{COMFYUI_ENV}={named}" if named else "the bundled .comfyui/"
         raise RuntimeError(f"no ComfyUI at {root} ({hint}); run `make setup` first")
     return root
+
+
+def comfy_device() -> str:
+    """The device test ComfyUIs run on: KT_TEST_DEVICE (cpu or cuda), "cpu" when unset."""
+    device = os.environ.get(TEST_DEVICE_ENV, "").strip().lower() or "cpu"
+    if device not in COMFY_DEVICES:
+        raise RuntimeError(f"{TEST_DEVICE_ENV}={device!r}: use one of {', '.join(COMFY_DEVICES)}")
+    return device
 
 
 def asset_cache_dir() -> Path:
@@ -63,8 +76,16 @@ def free_port() -> int:
 
 class ComfyServer:
     def __init__(
-        self, base_dir: Path, start_timeout: float = 180.0, extra_packs: dict[str, Path] | None = None
+        self,
+        base_dir: Path,
+        start_timeout: float = 180.0,
+        extra_packs: dict[str, Path] | None = None,
+        device: str | None = None,
     ):
+        """`device`: "cpu" starts ComfyUI with --cpu, "cuda" without it; None: `comfy_device()`."""
+        self.device = device or comfy_device()
+        if self.device not in COMFY_DEVICES:
+            raise ValueError(f"device {self.device!r}: use one of {', '.join(COMFY_DEVICES)}")
         self.base_dir = make_base_directory(base_dir, extra_packs)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -83,7 +104,7 @@ class ComfyServer:
         cmd = [
             sys.executable,
             "main.py",
-            "--cpu",
+            *(["--cpu"] if self.device == "cpu" else []),
             "--listen",
             "127.0.0.1",
             "--port",

@@ -1,4 +1,5 @@
-"""Shared fixtures. Layers are marked by folder: tests/nodes -> `nodes`, tests/e2e -> `e2e`.
+"""Shared fixtures. Layers are marked by folder: tests/nodes -> `nodes`, tests/e2e -> `e2e`,
+tests/gpu -> `gpu`.
 
 `tests/trainer_core` never touches ComfyUI; the fixtures that boot it are only used by the
 other two layers.
@@ -16,7 +17,7 @@ TESTS_DIR = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).parts
-        if parts[0] in ("nodes", "e2e"):
+        if parts[0] in ("nodes", "e2e", "gpu"):
             item.add_marker(getattr(pytest.mark, parts[0]))
 
 

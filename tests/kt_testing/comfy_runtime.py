@@ -3,6 +3,8 @@
 `boot(base_dir)` puts ComfyUI on sys.path, sets the CLI options ComfyUI reads at import
 time (CPU only, the given base directory), loads ComfyUI's built-in extra nodes and then
 the pack through ComfyUI's own `nodes.load_custom_node`. It runs once per process.
+With KT_TEST_DEVICE=cuda (the GPU layer) `--cpu` is left off, as `main.py` without it:
+ComfyUI picks the GPU itself.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+
+from comfy_server import comfy_device
 
 from .paths import PACK_DIR_NAME, comfyui_root, make_base_directory
 
@@ -58,7 +62,7 @@ def boot(base_dir: Path) -> ComfyRuntime:
 
     from comfy.cli_args import args  # parsed with defaults: ComfyUI's arg parsing is off here
 
-    args.cpu = True
+    args.cpu = comfy_device() == "cpu"
     args.base_directory = str(base_dir)
     args.disable_auto_launch = True
 
