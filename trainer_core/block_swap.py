@@ -112,8 +112,6 @@ class BlockSwapper:
     def _host_buffer(self, value: torch.Tensor) -> torch.Tensor:
         if not self.copies:
             return value
-        if value.is_meta:  # a meta tensor holds no values to copy (device-discipline tests)
-            return torch.empty_like(value, device=self.offload)
         host = torch.empty_like(value, device=self.offload, pin_memory=self.cuda)
         host.copy_(value)
         return host

@@ -81,29 +81,17 @@ def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods):
     assert torch.equal(model_output(model), before)
 
 
-def stock_lora(mods, model, seed: int = 21, rank: int = 2):
+def lora_on_every_block_linear(mods, model, seed: int = 21, rank: int = 2):
     """`model` with a random LoRA on every block linear, applied the way the stock
-    LoraLoaderModelOnly applies one (`comfy.sd.load_lora_for_models`), in ComfyUI's
-    lora_down / lora_up key format; returns the patched MODEL and the patched layers."""
-    import comfy.sd
+    LoraLoaderModelOnly applies one; returns the patched MODEL and the patched layers."""
     import torch
+
+    from kt_testing.devices import stock_lora
 
     flux = model.model.diffusion_model
     linears = [n for n, m in flux.named_modules() if isinstance(m, torch.nn.Linear)]
     layers = mods.lora_targets.target_module_names(linears, "all_linear")
-    gen = torch.Generator().manual_seed(seed)
-    state = {}
-    for layer in layers:
-        out_features, in_features = flux.get_submodule(layer).weight.shape
-        state[f"diffusion_model.{layer}.lora_down.weight"] = (
-            torch.randn(rank, in_features, generator=gen) * 0.1
-        )
-        state[f"diffusion_model.{layer}.lora_up.weight"] = (
-            torch.randn(out_features, rank, generator=gen) * 0.1
-        )
-        state[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(rank))
-    patched, _ = comfy.sd.load_lora_for_models(model, None, state, 1.0, 0)
-    return patched, layers
+    return stock_lora(model, layers, seed, rank, scale=0.1), layers
 
 
 @pytest.mark.parametrize("with_lora", [False, True], ids=["plain", "stock-lora"])
@@ -124,7 +112,7 @@ def test_a_partial_load_trains_like_a_full_load(gpu, mods, deterministic, with_l
     def run(partial: bool, lora: bool):
         model = tiny_flux_patcher(seed=9)  # fresh each time: a loaded model stays loaded
         if lora:
-            model, layers = stock_lora(mods, model)
+            model, layers = lora_on_every_block_linear(mods, model)
             assert len(model.patches) == len(layers)  # every LoRA key found its weight
         budget = model.model_size() // 2
         limit = weights_budget(budget, gpu.dry_run) if partial else contextlib.nullcontext()

@@ -58,24 +58,25 @@ def cpu_as_small_gpu(monkeypatch, weight_budget: int) -> None:
     monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NORMAL_VRAM)
 
 
-def lora_state(model, layers, seed: int, rank: int = 2) -> dict[str, torch.Tensor]:
-    """A random LoRA for `layers` in ComfyUI's key format (lora_down, lora_up, alpha = rank)."""
+def lora_state(model, layers, seed: int, rank: int = 2, scale: float = 0.3) -> dict[str, torch.Tensor]:
+    """A random LoRA for `layers` in ComfyUI's key format (lora_down, lora_up, alpha = rank),
+    factors drawn from N(0, scale^2)."""
     flux = model.model.diffusion_model
     gen = torch.Generator().manual_seed(seed)
     state = {}
     for layer in layers:
         out_features, in_features = flux.get_submodule(layer).weight.shape
         state[f"diffusion_model.{layer}.lora_down.weight"] = (
-            torch.randn(rank, in_features, generator=gen) * 0.3
+            torch.randn(rank, in_features, generator=gen) * scale
         )
         state[f"diffusion_model.{layer}.lora_up.weight"] = (
-            torch.randn(out_features, rank, generator=gen) * 0.3
+            torch.randn(out_features, rank, generator=gen) * scale
         )
         state[f"diffusion_model.{layer}.alpha"] = torch.tensor(float(rank))
     return state
 
 
-def stock_lora(model, layers, seed: int, rank: int = 2, strength: float = 1.0):
+def stock_lora(model, layers, seed: int, rank: int = 2, strength: float = 1.0, scale: float = 0.3):
     """`model` with `lora_state(...)` applied the way the stock LoraLoaderModelOnly applies a
     LoRA (`comfy.sd.load_lora_for_models`)."""
     import comfy.sd
