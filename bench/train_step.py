@@ -1,22 +1,27 @@
-"""Training-step benchmark: our step vs ComfyUI's native TrainLoraNode vs a bare step.
+"""Training-step benchmark: ours vs ComfyUI's TrainLoraNode, a bare step and diffusers + peft.
 
-All three train the same stock-loaded Flux (the demo checkpoint: hidden 3072, 1 double +
-1 single block, loaded by the stock UNETLoader), on the same latent and conditioning, with
-the same rank, AdamW, fp32 compute on CPU and gradient checkpointing on:
+Every variant trains the stock-loadable demo Flux (hidden 3072, 1 double + 1 single block) on
+one Kontext-style sample, a target latent plus one reference latent of the same size and
+CLIP-L-sized text, at rank `--rank`, with AdamW, fp32 compute on the CPU and gradient
+checkpointing on:
 
-  ours    `flux_lora_session` + `loop.train` (peft LoRA on the block linears, out-of-place
-          block patches, the rectified-flow objective), exactly what TrainLoRA runs;
-  native  `TrainLoraNode.execute` from comfy_extras/nodes_train.py (its own LoRA weight
-          wrappers on every weight, its sampler-driven loop);
-  bare    written here: the same peft LoRA and block patches, then per step only
-          noise, ComfyUI's Flux call, MSE, backward, AdamW (no masks, no packing, no
-          clipping, no bookkeeping).
+  ours       `flux_lora_session` + `loop.train` with TrainConfig's defaults (targets=
+             attention_mlp), exactly what TrainLoRA runs;
+  ours_all   the same with targets=all_linear, the most layers ours can adapt;
+  native     `TrainLoraNode.execute` (comfy_extras/nodes_train.py) with its defaults except rank
+             and dtype (fp32), the reference added by the stock ReferenceLatent node;
+  bare       our default LoRA and block patches, then per step only noise, ComfyUI's Flux
+             call, MSE, backward, AdamW;
+  diffusers  diffusers' FluxTransformer2DModel on the same file converted by diffusers' own
+             converter, peft LoRA on the same layers, the same tokens (what ai-toolkit and
+             SimpleTuner run).
 
-Each run is a fresh worker process (so peak RSS is its own); runs alternate
-ours/native/bare for `--rounds` rounds; the parent prints median ratios. Peak RSS is
-reported two ways: the whole process, and the growth during training above the RSS right
-before it (the model and inputs already in memory), which is what the trainers control.
-Not a test: `python bench/train_step.py` after `make setup`.
+Each run is a fresh worker process (its peak RSS is its own). Runs alternate variant by variant
+within a round, the order rotating from round to round. A worker times its set-up (start to the
+first transformer call), then every step (optimizer step to optimizer step); the first
+`--warmup` steps are left out of the steady-state median. Peak RSS is the whole process's
+(VmHWM) and its growth above the RSS just before the variant started (model already loaded).
+The parent prints medians and median ratios. Not a test: run it after `make setup`.
 """
 
 from __future__ import annotations
@@ -31,7 +36,18 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-VARIANTS = ("ours", "native", "bare")
+VARIANTS = ("ours", "ours_all", "native", "bare", "diffusers")
+# (numerator, denominator, goal on step time at 512 px, goal on peak RSS growth at 512 px)
+RATIOS = (
+    ("ours", "native", 0.5, 0.6),
+    ("ours_all", "native", None, None),
+    ("ours", "bare", 1.03, None),
+    ("ours", "diffusers", None, None),
+)
+GOAL_SIZE = 512
+
+
+# --- measurement inside a worker -------------------------------------------------------------
 
 
 def _memory_kib(field: str) -> int:
@@ -45,211 +61,242 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # Linux: resets VmHWM to the current RSS
 
 
-def _inputs(size: int, seed: int = 0):
-    import torch
+class Clock:
+    """Set-up and per-step times from two hooks: a forward pre-hook on the transformer (its
+    first call ends the set-up) and a global optimizer step post-hook (each step's end)."""
 
-    gen = torch.Generator().manual_seed(seed)
-    latent = torch.randn(1, 16, size // 8, size // 8, generator=gen)
-    context = torch.randn(1, 77, 768, generator=gen)
-    pooled = torch.randn(1, 768, generator=gen)
-    return latent, context, pooled
+    def __init__(self, transformer):
+        from torch.optim.optimizer import register_optimizer_step_post_hook
 
+        self.first_call: float | None = None
+        self.tokens: int | None = None  # tokens of the first transformer call (image + text)
+        self.step_ends: list[float] = []
+        self.step_cpu_ends: list[float] = []  # process CPU time: steadier while others share the CPU
+        self._handles = [
+            transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
+            register_optimizer_step_post_hook(self._on_step),
+        ]
+        self.started = time.perf_counter()
 
-def _load_model(runtime, unet_name: str):
-    (model,) = runtime.nodes.UNETLoader().load_unet(unet_name, "default")
-    return model
+    def _on_call(self, module, args, kwargs):
+        if self.first_call is None:
+            self.first_call = time.perf_counter()
+            self.tokens = _token_count(args, kwargs)
+            self.first_call_cpu = time.process_time()
 
+    def _on_step(self, optimizer, args, kwargs):
+        self.step_ends.append(time.perf_counter())
+        self.step_cpu_ends.append(time.process_time())
 
-def run_ours(runtime, model, args):
-    import importlib
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
 
-    import torch
-
-    pack = runtime.pack_module.__name__
-    ft = importlib.import_module(f"{pack}.nodes.flux_training")
-    flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
-    loop = importlib.import_module(f"{pack}.trainer_core.loop")
-    latent, context, pooled = _inputs(args.size)
-    sample = flow_step.Sample(latent[0], context[0], pooled[0])
-    config = ft.TrainConfig(
-        steps=args.steps,
-        rank=args.rank,
-        alpha=float(args.rank),
-        targets="all_linear",
-        timestep_sampler="uniform",
-        learning_rate=1e-4,
-    )
-
-    with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
-        return loop.train(config, session.lora.parameters(), lambda i: [sample], session.loss).losses
+    def step_seconds(self, cpu: bool = False) -> list[float]:
+        ends = self.step_cpu_ends if cpu else self.step_ends
+        starts = [self.first_call_cpu if cpu else self.first_call, *ends[:-1]]
+        return [end - start for start, end in zip(starts, ends, strict=True)]
 
 
-def run_native(runtime, model, args):
-    import comfy_extras.nodes_train as nodes_train
-
-    latent, context, pooled = _inputs(args.size)
-    positive = [[context, {"pooled_output": pooled, "guidance": 1.0}]]
-    algorithm = next(iter(nodes_train.adapter_maps))
-    # Two copies of the same latent: with a single LATENT input the node (0.3.75) takes a
-    # code path that fails (`multi_res` unset); with batch_size 1 it trains on one per step.
-    result = nodes_train.TrainLoraNode.execute(
-        model=[model],
-        latents=[{"samples": latent}, {"samples": latent}],
-        positive=[positive],
-        batch_size=[1],
-        steps=[args.steps],
-        grad_accumulation_steps=[1],
-        learning_rate=[1e-4],
-        rank=[args.rank],
-        optimizer=["AdamW"],
-        loss_function=["MSE"],
-        seed=[0],
-        training_dtype=["fp32"],
-        lora_dtype=["fp32"],
-        algorithm=[algorithm],
-        gradient_checkpointing=[True],
-        existing_lora=["[None]"],
-    )
-    return [float(x) for x in result.result[2]["loss"]]
+def _token_count(args, kwargs) -> int:
+    """Tokens the transformer sees: ComfyUI's Flux (x, ref_latents, context) or diffusers'
+    (hidden_states, encoder_hidden_states)."""
+    if "hidden_states" in kwargs:
+        return kwargs["hidden_states"].shape[1] + kwargs["encoder_hidden_states"].shape[1]
+    x = args[0]
+    context = kwargs["context"] if "context" in kwargs else args[2]
+    latents = [x, *(kwargs.get("ref_latents") or [])]
+    return sum(latent.shape[-2] * latent.shape[-1] // 4 for latent in latents) + context.shape[1]
 
 
-def run_bare(runtime, model, args):
-    """The reference step: nothing but noise, forward, loss, backward, AdamW."""
-    import importlib
+def _load(variant: str, args):
+    """(the model the variant trains, its transformer module, the variants module)."""
+    sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts"), str(REPO / "bench")]
+    import train_step_variants as variants
 
+    import demo_assets
+    from kt_testing.paths import asset_cache_dir
+
+    flux_path = asset_cache_dir() / demo_assets.ASSET_VERSION / Path(*demo_assets.FLUX_FILE)
+    if variant == "diffusers":  # no ComfyUI in this process: what a diffusers trainer loads
+        transformer = variants.load_diffusers_flux(flux_path)
+        return transformer, transformer, variants
+    from kt_testing.comfy_runtime import boot
+
+    runtime = boot(Path(args.base_dir))
+    variants.PACK["name"] = runtime.pack_module.__name__
+    paths = demo_assets.ensure_assets(asset_cache_dir())
+    demo_assets.link_into_models(paths, runtime.base_dir / "models")
     import comfy.model_management
-    import comfy.patcher_extension
-    import torch
 
-    pack = runtime.pack_module.__name__
-    flux_blocks = importlib.import_module(f"{pack}.nodes.flux_blocks")
-    lora_adapters = importlib.import_module(f"{pack}.trainer_core.lora_adapters")
-    lora_targets = importlib.import_module(f"{pack}.trainer_core.lora_targets")
-    latent, context, pooled = _inputs(args.size)
-    with torch.inference_mode(False):
-        torch.manual_seed(0)
-        clone = model.clone()
-        flux_blocks.install_trainable_blocks(clone, checkpointing=True)
-        comfy.model_management.load_models_gpu([clone])
-        flux = clone.model.diffusion_model
-        linears = [n for n, m in flux.named_modules() if isinstance(m, torch.nn.Linear)]
-        names = lora_targets.target_module_names(linears, "all_linear")
-        lora = lora_adapters.attach_lora(flux, names, args.rank, float(args.rank))
-        optimizer = torch.optim.AdamW(lora.parameters(), lr=1e-4, foreach=False)
-        options = clone.model_options["transformer_options"]
-        gen = torch.Generator().manual_seed(0)
-        guidance = torch.ones(1)
-        losses = []
-        try:
-            for _ in range(args.steps):
-                sigma = torch.rand(1, generator=gen)
-                noise = torch.randn(latent.shape, generator=gen)
-                noisy = (1 - sigma) * latent + sigma * noise
-                prediction = flux(noisy, sigma, context, pooled, guidance, transformer_options=dict(options))
-                loss = torch.nn.functional.mse_loss(prediction.float(), noise - latent)
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                losses.append(float(loss.detach()))
-        finally:
-            lora.detach()
-    return losses
+    # Loaded outside inference mode, unlike in ComfyUI's executor: the native node cannot train
+    # on inference-tensor weights (Flux's QK-norm `scale` is saved for backward and raises).
+    (model,) = runtime.nodes.UNETLoader().load_unet(paths["flux"].name, "default")
+    comfy.model_management.load_models_gpu([model])  # weights resident before the clock starts
+    return model, model.model.diffusion_model, variants
 
 
 def worker(args) -> None:
-    sys.path[:0] = [str(REPO / "tests"), str(REPO / "scripts")]
-    import demo_assets
-    from kt_testing.comfy_runtime import boot
-    from kt_testing.paths import asset_cache_dir
-
-    runtime = boot(Path(args.base_dir))
-    paths = demo_assets.ensure_assets(asset_cache_dir())
-    demo_assets.link_into_models(paths, runtime.base_dir / "models")
-    model = _load_model(runtime, paths["flux"].name)
-    import comfy.model_management
-
-    comfy.model_management.load_models_gpu([model])  # weights resident before the clock starts
+    model, transformer, variants = _load(args.worker, args)
+    if args.worker == "prepare":
+        return
+    inputs = variants.make_inputs(args.size)
     base_rss = _memory_kib("VmRSS")
     _reset_peak_rss()
-    started = time.perf_counter()
-    losses = {"ours": run_ours, "native": run_native, "bare": run_bare}[args.worker](runtime, model, args)
-    seconds = time.perf_counter() - started
+    clock = Clock(transformer)
+    trained = variants.VARIANTS[args.worker](model, inputs, args)
+    clock.close()
     peak = _memory_kib("VmHWM")
+    steps = clock.step_seconds()
+    if len(steps) != args.warmup + args.steps:
+        raise RuntimeError(f"timed {len(steps)} optimizer steps, expected {args.warmup + args.steps}")
+    result = {
+        "variant": args.worker,
+        "size": args.size,
+        "setup_s": clock.first_call - clock.started,
+        "step_s": steps,
+        "steady_s": statistics.median(steps[args.warmup :]),
+        "steady_cpu_s": statistics.median(clock.step_seconds(cpu=True)[args.warmup :]),
+        "tokens": clock.tokens,
+        "base_rss_kib": base_rss,
+        "peak_rss_kib": peak,
+        "growth_kib": peak - base_rss,
+        "layers": trained.layers,
+        "adapted": trained.adapted,
+        "trainable": trained.trainable,
+        "losses": trained.losses,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+# --- the parent: rounds, workers, table ------------------------------------------------------
+
+
+def _run_worker(variant: str, size: int, base_dir: str, args) -> dict | None:
+    command = [sys.executable, __file__, "--worker", variant, "--base-dir", base_dir]
+    command += ["--size", str(size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    command += ["--rank", str(args.rank)]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or (variant != "prepare" and not lines):
+        sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
+        raise SystemExit(f"{variant} at {size} px failed (exit {done.returncode})")
+    return json.loads(lines[-1][len("RESULT ") :]) if lines else None
+
+
+def _gib(kib: float) -> str:
+    return f"{kib / 2**20:.2f}"
+
+
+def _median(runs: list[dict], key: str) -> float:
+    return statistics.median(run[key] for run in runs)
+
+
+def print_table(results: dict, args) -> None:
     print(
-        "RESULT "
-        + json.dumps(
-            {
-                "variant": args.worker,
-                "seconds": seconds,
-                "peak_rss_kib": peak,
-                "training_growth_kib": peak - base_rss,
-                "losses": losses,
-            }
-        ),
-        flush=True,
+        f"\nmedians over {args.rounds} round(s); {args.steps} timed steps after {args.warmup} warm-up "
+        f"step(s) per run; rank {args.rank}; one reference image"
     )
+    for size in args.resolutions:
+        runs = {variant: results[size, variant] for variant in args.variants if results.get((size, variant))}
+        tokens = next(iter(runs.values()))[0]["tokens"]
+        print(f"\n### {size} px ({tokens} tokens per Flux call: target + reference + text)\n")
+        print(
+            "| variant | s/step | CPU s/step | set-up s | peak RSS GiB | growth GiB | adapted "
+            "| trainable params |"
+        )
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+        for variant, vruns in runs.items():
+            print(
+                f"| {variant} | {_median(vruns, 'steady_s'):.2f} | {_median(vruns, 'steady_cpu_s'):.2f} "
+                f"| {_median(vruns, 'setup_s'):.2f} "
+                f"| {_gib(_median(vruns, 'peak_rss_kib'))} | {_gib(_median(vruns, 'growth_kib'))} "
+                f"| {vruns[0]['adapted']} | {vruns[0]['trainable']:,} |"
+            )
+        print("\n| ratio (medians) | step time | step CPU time | RSS growth | whole-process peak RSS |")
+        print("|---|---:|---:|---:|---:|")
+        for numerator, denominator, time_goal, rss_goal in RATIOS:
+            if numerator not in runs or denominator not in runs:
+                continue
+            cells = []
+            keys = ("steady_s", "steady_cpu_s", "growth_kib", "peak_rss_kib")
+            for key, goal in zip(keys, (time_goal, None, rss_goal, None), strict=True):
+                ratio = _median(runs[numerator], key) / _median(runs[denominator], key)
+                verdict = ""
+                if goal is not None and size == GOAL_SIZE:
+                    verdict = f" (goal <= {goal}: {'met' if ratio <= goal else 'MISSED'})"
+                cells.append(f"{ratio:.3f}{verdict}")
+            print(f"| {numerator} / {denominator} | " + " | ".join(cells) + " |")
+    print("\nwhat each variant trains:")
+    for variant in args.variants:
+        run = next(results[size, variant][0] for size in args.resolutions if results.get((size, variant)))
+        print(f"  {variant:9s} {run['layers']}; {run['trainable']:,} trainable parameters")
+
+
+def print_saved(args) -> None:
+    """The table from `--save` files (e.g. resolutions measured in separate invocations)."""
+    runs = [json.loads(line) for path in args.table_from for line in path.read_text().splitlines() if line]
+    args.resolutions = sorted({run["size"] for run in runs})
+    args.variants = [v for v in VARIANTS if any(run["variant"] == v for run in runs)]
+    args.rounds = max(run["round"] for run in runs)
+    results = {(size, variant): [] for size in args.resolutions for variant in args.variants}
+    for run in runs:
+        results[run["size"], run["variant"]].append(run)
+    print_table(results, args)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=3, help="training steps per run")
-    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of the three variants")
-    parser.add_argument("--size", type=int, default=128, help="image side in pixels (latent = size / 8)")
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--worker", choices=VARIANTS, help=argparse.SUPPRESS)
+    parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of all variants")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per run, after the warm-up")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed steps per run before the timed ones")
+    parser.add_argument("--resolutions", type=int, nargs="+", default=[256, 512], help="image sides in px")
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every variant")
+    parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="a subset")
+    parser.add_argument("--save", type=Path, help="append every run's result to this JSON-lines file")
+    parser.add_argument(
+        "--table-from", type=Path, nargs="+", help="print the table from saved result files; run nothing"
+    )
+    parser.add_argument("--worker", choices=(*VARIANTS, "prepare"), help=argparse.SUPPRESS)
     parser.add_argument("--base-dir", help=argparse.SUPPRESS)
+    parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
         return
+    if args.warmup < 1 or args.steps < 1:
+        parser.error("--warmup and --steps must be at least 1")
+    if args.table_from:
+        print_saved(args)
+        return
 
-    results = {variant: [] for variant in VARIANTS}
+    variants = tuple(v for v in VARIANTS if v in args.variants)
+    results = {(size, variant): [] for size in args.resolutions for variant in variants}
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kt-bench-") as base_dir:
+        _run_worker("prepare", args.resolutions[0], base_dir, args)  # demo assets exist from here on
         for round_index in range(args.rounds):
-            for variant in VARIANTS:
-                command = [
-                    sys.executable,
-                    __file__,
-                    "--worker",
-                    variant,
-                    "--base-dir",
-                    base_dir,
-                    "--steps",
-                    str(args.steps),
-                    "--size",
-                    str(args.size),
-                    "--rank",
-                    str(args.rank),
-                ]
-                done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
-                lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-                if done.returncode or not lines:
-                    sys.stderr.write(done.stdout[-3000:] + done.stderr[-6000:])
-                    raise SystemExit(f"{variant} run failed (exit {done.returncode})")
-                result = json.loads(lines[-1][len("RESULT ") :])
-                results[variant].append(result)
-                print(
-                    f"round {round_index + 1} {variant:6s} {result['seconds']:7.1f} s  "
-                    f"peak RSS {result['peak_rss_kib'] / 2**20:5.2f} GiB  "
-                    f"growth {result['training_growth_kib'] / 2**20:5.2f} GiB  "
-                    f"losses {[round(x, 4) for x in result['losses']]}",
-                    flush=True,
-                )
-
-    def ratio(key, other):
-        ours = statistics.median(r[key] for r in results["ours"])
-        return ours / statistics.median(r[key] for r in results[other])
-
-    print(
-        f"\n{args.steps} steps, {args.size}px, rank {args.rank}, {args.rounds} alternating rounds (medians):"
-    )
-    print(f"  time        ours / native = {ratio('seconds', 'native'):.3f}  (goal <= 0.7)")
-    print(f"  peak RSS    ours / native = {ratio('peak_rss_kib', 'native'):.3f}  (whole process)")
-    growth = ratio("training_growth_kib", "native")
-    print(f"  RSS growth  ours / native = {growth:.3f}  (goal <= 0.7; training only)")
-    print(f"  time        ours / bare   = {ratio('seconds', 'bare'):.3f}  (goal <= 1.03)")
+            shift = round_index % len(variants)
+            order = variants[shift:] + variants[:shift]
+            for size in args.resolutions:
+                for variant in order:
+                    result = _run_worker(variant, size, base_dir, args)
+                    results[size, variant].append(result)
+                    if args.save:
+                        with args.save.open("a") as saved:
+                            saved.write(json.dumps({**result, "round": round_index + 1}) + "\n")
+                    print(
+                        f"round {round_index + 1} {size:4d}px {variant:9s} "
+                        f"step {result['steady_s']:6.2f} s (CPU {result['steady_cpu_s']:6.2f} s)  "
+                        f"set-up {result['setup_s']:5.2f} s  peak RSS {_gib(result['peak_rss_kib'])} GiB  "
+                        f"growth {_gib(result['growth_kib'])} GiB  "
+                        f"tokens {result['tokens']}  losses {[round(x, 4) for x in result['losses']]}",
+                        flush=True,
+                    )
+    print_table(results, args)
+    print(f"\nwall time {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

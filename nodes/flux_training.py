@@ -2,14 +2,16 @@
 ComfyUI).
 
 `flux_lora_session(model, config)` is a context manager that
-1. clones the MODEL (`with_reference_ids`: our reference layout) and installs the out-of-place
+1. clones the MODEL (`with_reference_ids`: our reference position ids) and installs the out-of-place
    block forwards on the clone (`flux_blocks`), all as ModelPatcher patches;
 2. (fp8_scaled only) gives the clone's block linears scaled fp8 weights *before* loading
    (`fp8_scaled`), so the GPU never holds the full-precision model;
 3. loads the clone the way sampling does (`load_models_gpu`: fully or partially, by ComfyUI's
    own accounting), so any weight patches the MODEL carries (a LoRA from the stock loader,
    ...) are applied: we train exactly the model the user loaded. From then until the run ends
-   ComfyUI's model management leaves the clone alone (`comfy_loading.held_for_training`);
+   ComfyUI's model management leaves the clone alone (`comfy_loading.held_for_training`),
+   and its inference-mode weights are swapped for autograd-usable copies
+   (`trainer_core.autograd_safe`);
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
    the CPU) to the shared diffusion model for the duration of the `with` block, optionally
    swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
@@ -36,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..trainer_core import lora_file
+from ..trainer_core.autograd_safe import make_autograd_safe_
 from ..trainer_core.block_swap import BlockSwapper, choose_swapped
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
@@ -151,30 +154,6 @@ def initial_lora_from_file(path, model) -> dict[str, LoraModule]:
             "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight)"
         )
     return modules
-
-
-def make_autograd_safe_(module: torch.nn.Module) -> int:
-    """Replace the module's inference tensors by normal copies, in place; returns how many.
-
-    ComfyUI runs every node under `torch.inference_mode()`, so the weights a stock loader
-    creates are inference tensors, which autograd refuses to use (even frozen ones: a Linear
-    saves its weight to compute the input's gradient, and inference tensors keep no version
-    counter). Each such parameter is swapped for a new Parameter with the same name, value
-    and flag, as ComfyUI's own weight patching swaps parameters; other workflows see
-    bit-identical outputs. Costs one tensor's copy at a time."""
-    replaced: dict[int, torch.Tensor] = {}
-    for child in module.modules():
-        for table in (child._parameters, child._buffers):
-            for name, tensor in table.items():
-                if tensor is None or not tensor.is_inference():
-                    continue
-                if id(tensor) not in replaced:  # tied weights stay tied
-                    copy = tensor.detach().clone()
-                    if isinstance(tensor, torch.nn.Parameter):
-                        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-                    replaced[id(tensor)] = copy
-                table[name] = replaced[id(tensor)]
-    return len(replaced)
 
 
 def comfy_keeps_placement(module: torch.nn.Module) -> bool:

@@ -2,6 +2,9 @@
 float8 e4m3 weights with one float32 scale per output channel; everything else (norms,
 modulation, embeddings, the final layer) stays as loaded.
 
+The row math and the choice of layers are `trainer_core.fp8_rows`; this module is the
+ComfyUI side: weight wrappers, the stock LoRA's `LowVramPatch`, unloading and restoring.
+
 The weights are quantised *before* ComfyUI loads the training clone, one layer at a time on
 the compute device, so the GPU never holds the bf16 model: ComfyUI then loads (fully or
 partially, by its own accounting) the fp8 sizes. A layer computes with
@@ -23,37 +26,7 @@ import contextlib
 
 import torch
 
-from ..trainer_core.lora_targets import target_module_names
-
-E4M3 = torch.float8_e4m3fn
-E4M3_MAX = torch.finfo(E4M3).max  # 448
-
-
-def quantize_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(e4m3 values, float32 scale per row) with weight ~= values * scale[:, None]."""
-    scale = weight.detach().float().abs().amax(dim=1).clamp_min(1e-12) / E4M3_MAX
-    return (weight.detach().float() / scale[:, None]).to(E4M3), scale
-
-
-class ScaleRows:
-    """A `weight_function`: the cast e4m3 weight times its per-row scale."""
-
-    def __init__(self, scale: torch.Tensor):
-        self.scale = scale
-
-    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.scale.to(weight.device, weight.dtype)[:, None]
-
-
-def scaled_layer_names(diffusion_model) -> list[str]:
-    """The block linears that get fp8 weights: attention and MLP (single blocks' fused ones)."""
-    # a LoRA-wrapped layer shows its Linear as `<name>.base_layer`
-    names = [
-        n.removesuffix(".base_layer")
-        for n, m in diffusion_model.named_modules()
-        if isinstance(m, torch.nn.Linear)
-    ]
-    return target_module_names(list(dict.fromkeys(names)), "attention_mlp")
+from ..trainer_core.fp8_rows import ScaleRows, quantize_rows, scaled_layer_names
 
 
 @contextlib.contextmanager

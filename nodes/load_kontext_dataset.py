@@ -7,7 +7,6 @@ CLIP, showing progress, and outputs a KONTEXT_DATASET for TrainLoRA and PreviewS
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 from comfy_api.latest import io
 
 from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
-from ..trainer_core.dataset_files import scan_dataset
+from ..trainer_core.dataset_files import folder_fingerprint, scan_dataset
 from ..trainer_core.encode_cache import EncodeCache
 from ..trainer_core.sizing import MAX_SIDE
 from .comfy_encoders import comfy_encoders
@@ -83,30 +82,11 @@ def prepare_cache_folder(cache_root: Path) -> None:
         ) from None
 
 
-def folder_fingerprint(root: Path) -> str:
-    """Names, sizes and modification times of the files under `root` (two levels): changes
-    when the dataset changes, so ComfyUI re-runs the node."""
-    digest = hashlib.sha256(str(root).encode())
-    if root.is_dir():
-        for directory, subdirs, files in os.walk(root):
-            depth = Path(directory).relative_to(root).parts
-            if len(depth) >= 1:
-                subdirs[:] = []
-            for name in sorted(files):
-                try:
-                    stat = (Path(directory) / name).stat()
-                except OSError:  # a broken link, a file removed meanwhile: the scan will say so
-                    digest.update(f"{directory}/{name}|unreadable".encode())
-                    continue
-                digest.update(f"{directory}/{name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
-    return digest.hexdigest()
-
-
 def summary(dataset: KontextDataset) -> str:
     buckets = ", ".join(f"{w}x{h}: {len(idx)}" for (w, h), idx in dataset.buckets().items())
     lines = [
         f"{len(dataset.entries)} training + {len(dataset.held_out)} held-out samples "
-        f"({dataset.layout.replace('_', ' ')}), {dataset.reference_count} reference(s) each",
+        f"({dataset.folder_structure.replace('_', ' ')}), {dataset.reference_count} reference(s) each",
         f"buckets {buckets}",
         f"encoded {dataset.encoded_images} image(s) and {dataset.encoded_texts} caption(s); "
         f"{dataset.cache.hits} cache hit(s); cache {dataset.cache.root}",
@@ -124,8 +104,8 @@ class LoadKontextDataset(io.ComfyNode):
             node_id=node_id("LoadKontextDataset"),
             display_name="LoadKontextDataset",
             category="Kontext Trainer",
-            description="Loads targets, reference images and captions from a folder (two layouts, see "
-            "the README), validates them, and caches VAE latents and text embeddings.",
+            description="Loads targets, reference images and captions from a folder (two folder "
+            "structures, see the README), validates them, and caches VAE latents and text embeddings.",
             inputs=[
                 io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
                 io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),

@@ -7,7 +7,8 @@ calls `sample_previews` between optimizer steps, with the LoRA as it is at that 
 ComfyUI's own KSampler and the training clone (same reference layout as training). Images
 are saved to ComfyUI's temp folder, shown on the TrainLoRA node, and the last ones come out
 of TrainLoRA as IMAGE. Sampling draws its noise from its own generator and restores torch's
-global RNG, so previews never change the training run.
+global RNG, so previews never change the training run; it runs in eval mode (LoRA dropout
+off, as the saved LoRA will be used) and puts the training mode back afterwards.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from PIL import Image
 
 from ..trainer_core.limits import check_number
 from ..trainer_core.names import preview_name
+from ..trainer_core.validation import evaluating
 from .extension_ids import node_id
 
 Preview = io.Custom("KONTEXT_PREVIEW")
@@ -65,7 +67,7 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
         ]
     latent = torch.zeros(1, 16, settings.height // 8, settings.width // 8)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with torch.no_grad(), torch.random.fork_rng(devices=devices):
+    with evaluating(session.diffusion_model), torch.random.fork_rng(devices=devices):
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(settings.seed))
         samples = comfy.sample.sample(
             session.patcher,

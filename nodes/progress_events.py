@@ -21,5 +21,7 @@ PAYLOAD_FIELDS = (
     "eta_seconds",
     "message",  # why it stopped (errors, cancel), else ""
     "previews",  # the recent preview images (up to 24, oldest first), /view references + step
+    "validation_loss",  # the latest held-out loss, else null (every point: the progress route)
+    "validation_step",  # the optimizer step after which it was computed, else null
 )
 MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second

@@ -1,5 +1,6 @@
 """GET /kontext_trainer/progress: the current (or last) training job's state, so a page that
-was reloaded mid-run can redraw its panel: the event payload fields plus the losses.
+was reloaded mid-run can redraw its panel: the event payload fields plus the losses and every
+held-out validation point (`validation`: [[step, loss], ...], few, always all of them).
 With no job yet: {"status": "idle"}.
 
 `?since=N` returns only the losses after the first N (`losses_from` says where they start):
@@ -8,7 +9,7 @@ million losses again and again."""
 
 from __future__ import annotations
 
-from .training_job import MANAGER
+from ..trainer_core.job import MANAGER
 
 ROUTE = "/kontext_trainer/progress"
 

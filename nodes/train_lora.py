@@ -20,32 +20,48 @@ from ..trainer_core.checkpoint import all_checkpoints, read_state
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
+from ..trainer_core.resume import check_resume
+from ..trainer_core.run_files import LoraPaths
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
 from .training_job import MANAGER, Progress, wait_for
-from .training_run import LoraPaths, Run, check_resume, run_training
+from .training_run import Run, run_training
 
 NO_RESUME = "none"
+NO_START = "none"
 CHECKPOINTS_FOLDER = "kontext_trainer_checkpoints"  # under ComfyUI's output folder
-LEGACY = "models/loras/"  # resume_from prefix of checkpoints in the layout before 0.2
+LEGACY = "models/loras/"  # resume_from prefix of checkpoints where versions before 0.2 kept them
 LOGGER = logging.getLogger("kontext_trainer")
-LossMap = io.Custom("LOSS_MAP")  # {"loss": [...]}: the type ComfyUI's own LossGraphNode reads
+# {"loss": [...], "validation_step": [...], "validation_loss": [...]}: the type ComfyUI's own
+# LossGraphNode reads (it draws "loss")
+LossMap = io.Custom("LOSS_MAP")
 
 
 def config_widget(config_field: dataclasses.Field):
-    """The widget for one TrainConfig field."""
+    """The widget for one TrainConfig field. Advanced ones are hidden until the node's "Show
+    Advanced" (right-click menu; the frontend's own grouping): their values still save and run."""
     meta, default = config_field.metadata, config_field.default
     name, tooltip = config_field.name, meta["tooltip"]
+    # added later: optional, so API prompts written before they existed still run (on defaults)
+    common = {"default": default, "tooltip": tooltip, "optional": meta["appended"]}
     if "options" in meta:
-        return io.Combo.Input(name, options=list(meta["options"]), default=default, tooltip=tooltip)
-    if isinstance(default, bool):
-        return io.Boolean.Input(name, default=default, tooltip=tooltip)
-    limits = {k: meta[k] for k in ("min", "max", "step", "control_after_generate") if k in meta}
-    if isinstance(default, int):
-        return io.Int.Input(name, default=default, tooltip=tooltip, **limits)
-    return io.Float.Input(name, default=default, tooltip=tooltip, **limits)
+        widget = io.Combo.Input(name, options=list(meta["options"]), **common)
+    elif isinstance(default, bool):
+        widget = io.Boolean.Input(name, **common)
+    else:
+        limits = {k: meta[k] for k in ("min", "max", "step", "control_after_generate") if k in meta}
+        kind = io.Int if isinstance(default, int) else io.Float
+        widget = kind.Input(name, **common, **limits)
+    if meta["advanced"]:  # these Input classes take no extra_dict argument; as_dict reads it
+        widget.extra_dict = {"advanced": True}
+    return widget
+
+
+def config_widgets(appended: bool) -> list:
+    """TrainConfig's widgets, the original ones or those added after `overwrite`."""
+    return [config_widget(f) for f in dataclasses.fields(TrainConfig) if f.metadata["appended"] == appended]
 
 
 def loras_dir() -> Path:
@@ -85,13 +101,33 @@ def legacy_checkpoints() -> list[str]:
 
 
 def resume_choices() -> list[str]:
-    """Every checkpoint, as `<name>/<run>/step_NNNNNN` (plus any in the old layout)."""
+    """Every checkpoint, as `<name>/<run>/step_NNNNNN` (plus any in the old folders)."""
     root = checkpoints_root()
     found = []
     if root.is_dir():
         for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
             found += [path.relative_to(root).as_posix() for path in all_checkpoints(folder)]
     return [NO_RESUME, *found, *legacy_checkpoints()]
+
+
+def start_choices() -> list[str]:
+    import folder_paths
+
+    return [NO_START, *folder_paths.get_filename_list("loras")]
+
+
+def resolve_start(choice: str) -> Path | None:
+    """The LoRA file `start_from_lora` names (in ComfyUI's LoRA folders), or None."""
+    import folder_paths
+
+    if choice in ("", NO_START):
+        return None
+    path = folder_paths.get_full_path("loras", choice)
+    if path is None:
+        raise ValueError(
+            f"start_from_lora: '{choice}' is not in models/loras (any more); pick another or 'none'"
+        )
+    return Path(path)
 
 
 def resolve_resume(choice: str) -> Path | None:
@@ -212,13 +248,24 @@ class TrainLoRA(io.ComfyNode):
                     tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...); "
                     "it is read, never changed: the continued run writes its own checkpoints.",
                 ),
-                *[config_widget(f) for f in dataclasses.fields(TrainConfig)],
-                # last, so workflows saved before it existed keep their widget values in place
+                *config_widgets(appended=False),
+                # from here on, widgets added later: after the older ones, so workflows saved
+                # before they existed keep their widget values in place
                 io.Boolean.Input(
                     "overwrite",
                     default=False,
                     tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
                     "(pick another name), on replaces it once the new LoRA is saved.",
+                ),
+                *config_widgets(appended=True),
+                io.Combo.Input(
+                    "start_from_lora",
+                    options=start_choices(),
+                    default=NO_START,
+                    optional=True,
+                    tooltip="Start a new run from this LoRA's weights (ours, kohya, diffusers / ai-toolkit "
+                    "files): its layers are trained, with its rank and alpha (rank must match). Unlike "
+                    "resume_from, the optimizer, schedule and data order start fresh.",
                 ),
                 Preview.Input(
                     "preview",
@@ -231,21 +278,34 @@ class TrainLoRA(io.ComfyNode):
                     display_name="MODEL", tooltip="The MODEL with the trained LoRA applied (a clone)."
                 ),
                 io.String.Output(display_name="lora_name", tooltip="The file name in models/loras."),
-                LossMap.Output(display_name="loss_map", tooltip="Loss per step."),
+                LossMap.Output(
+                    display_name="loss_map",
+                    tooltip="Loss per step, and the held-out validation loss with the steps it was "
+                    "computed at.",
+                ),
                 io.Image.Output(
                     display_name="previews",
                     tooltip="The last previews (from PreviewSampler); a black 64x64 image without one.",
                 ),
                 io.Image.Output(
                     display_name="loss_chart",
-                    tooltip="Loss per step and its moving average (also saved as <name>_loss.png).",
+                    tooltip="Loss per step, its moving average and the validation loss (also saved as "
+                    "<name>_loss.png).",
                 ),
             ],
         )
 
     @classmethod
     def execute(
-        cls, model, dataset, lora_name, overwrite, resume_from, preview=None, **settings
+        cls,
+        model,
+        dataset,
+        lora_name,
+        overwrite,
+        resume_from,
+        start_from_lora=NO_START,
+        preview=None,
+        **settings,
     ) -> io.NodeOutput:
         import comfy.model_management
         import comfy.sd
@@ -259,7 +319,8 @@ class TrainLoRA(io.ComfyNode):
         replaces = check_existing(paths, overwrite)
         resume_path = resolve_resume(resume_from)
         if resume_path is not None:  # only its state.json here: tensors load in the training thread
-            check_resume(read_state(resume_path), config, dataset)
+            check_resume(read_state(resume_path), config, dataset.content_hash)
+        start_path = resolve_start(start_from_lora) if resume_path is None else None
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)
@@ -269,18 +330,24 @@ class TrainLoRA(io.ComfyNode):
             send(progress)
             bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
 
-        run = Run(paths, resume_path, replaces, Path(folder_paths.get_temp_directory()))
+        run = Run(paths, resume_path, replaces, Path(folder_paths.get_temp_directory()), start_path)
         job = MANAGER.start(
             paths.stem, lambda job: run_training(job, model, dataset, config, run, preview), meta=send.base
         )
         outcome = wait_for(job, on_poll, comfy.model_management.throw_exception_if_processing_interrupted)
         comfy.model_management.soft_empty_cache()
-        if outcome.cancelled:  # stopped without a Cancel in this prompt (e.g. server shutdown)
+        if outcome.cancelled:  # the usual Cancel path: ComfyUI's ops raised the interrupt inside the
+            # training thread (clearing the flag wait_for checks); end the prompt as cancelled
             raise comfy.model_management.InterruptProcessingException()
         trained, _ = comfy.sd.load_lora_for_models(model, None, outcome.lora_state, 1.0, 0)
-        chart = draw_loss_chart(outcome.losses)
+        chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
         save_png_atomic(chart, paths.loss_chart)
         image = torch.from_numpy(np.asarray(chart, dtype=np.float32) / 255.0)[None]
-        ui = {"lora_name": [paths.lora.name], "loss": outcome.losses}  # in /history, for scripts and the UI
+        loss_map = {
+            "loss": outcome.losses,
+            "validation_step": [step for step, _ in outcome.validation],
+            "validation_loss": [loss for _, loss in outcome.validation],
+        }
+        ui = {"lora_name": [paths.lora.name], **loss_map}  # in /history, for scripts and the UI
         previews = outcome.previews if outcome.previews is not None else torch.zeros(1, 64, 64, 3)
-        return io.NodeOutput(trained, paths.lora.name, {"loss": outcome.losses}, previews, image, ui=ui)
+        return io.NodeOutput(trained, paths.lora.name, loss_map, previews, image, ui=ui)

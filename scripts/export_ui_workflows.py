@@ -7,8 +7,8 @@ of each (a screenshot of the loaded graph) for ComfyUI's template browser.
 
 Each written file is loaded back the way a user opens it (`app.loadGraphData`, which validates
 it against the frontend's zod schema); any toast the frontend shows fails the export.
-tests/e2e/test_example_workflows.py checks the two formats stay equivalent, and
-tests/e2e/test_example_workflows_browser.py opens each file from the template browser.
+tests/e2e/test_example_workflows.py checks the two formats stay equivalent and opens each file
+from the template browser.
 
     .venv/bin/python scripts/export_ui_workflows.py     (needs Debian chromium)
 """

@@ -4,7 +4,8 @@ A checkpoint is a folder `step_000120/` holding
   lora.safetensors       the LoRA at that step (stock-loader keys: loadable on its own)
   optimizer.safetensors  the optimizer's tensor state, flattened to `state.<param>.<name>`
   rng.safetensors        torch's global RNG (CPU, and CUDA if present) and the objective's generator
-  state.json             step, losses, the config, optimizer param groups and scalar state
+  state.json             step, losses, held-out validation losses, the config, optimizer param
+                         groups and scalar state
 It is written into a temporary sibling folder and renamed into place, so a crash leaves the
 previous checkpoint and never a half-written one. `prune` keeps the newest K of one run.
 Checkpoints are never written where ComfyUI looks for LoRAs: the node puts them under
@@ -18,7 +19,7 @@ import os
 import re
 import shutil
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +39,7 @@ class Checkpoint:
     lora: dict[str, LoraModule]
     optimizer_state: dict  # ready for `optimizer.load_state_dict`
     rng: dict[str, torch.Tensor]
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
 
 
 def step_folder_name(step: int) -> str:
@@ -75,6 +77,7 @@ def save_checkpoint(
     losses: list[float],
     config: dict,
     lora_metadata: dict[str, str] | None = None,
+    validation: list[tuple[int, float]] = (),
 ) -> Path:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
@@ -85,7 +88,13 @@ def save_checkpoint(
         save_atomic(to_state_dict(lora), staging / "lora.safetensors", lora_metadata)
         save_atomic(optimizer_tensors, staging / "optimizer.safetensors")
         save_atomic({k: v.contiguous().cpu() for k, v in rng.items()}, staging / "rng.safetensors")
-        state = {"step": step, "losses": losses, "config": config, "optimizer": optimizer_extra}
+        state = {
+            "step": step,
+            "losses": losses,
+            "validation": [[int(s), float(v)] for s, v in validation],
+            "config": config,
+            "optimizer": optimizer_extra,
+        }
         (staging / "state.json").write_text(json.dumps(state), encoding="utf-8")
         fsync_file(staging / "state.json")
         if final.exists():
@@ -136,6 +145,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         from_state_dict(_ordinary(lora_tensors)),
         _unflatten_optimizer(_ordinary(optimizer_tensors), state["optimizer"]),
         _ordinary(rng),
+        [(int(s), float(v)) for s, v in state.get("validation", [])],
     )
 
 

@@ -19,9 +19,14 @@ TARGET_PRESET_NAMES = tuple(TARGET_PRESETS)
 LAYOUT_NAMES = tuple(LAYOUTS)
 
 
-def knob(default, tooltip: str, **limits):
-    """A config field with the tooltip and limits its TrainLoRA widget shows."""
-    return field(default=default, metadata={"tooltip": tooltip, **limits})
+def knob(default, tooltip: str, advanced: bool = False, appended: bool = False, **limits):
+    """A config field with the tooltip and limits its TrainLoRA widget shows. `advanced`:
+    hidden until the node's "Show Advanced" (right-click menu) is on. `appended`: a widget added
+    after `overwrite` existed, so it is placed after it (the frontend stores widget values by
+    position: workflows saved before keep their values in place)."""
+    return field(
+        default=default, metadata={"tooltip": tooltip, "advanced": advanced, "appended": appended, **limits}
+    )
 
 
 @dataclass
@@ -29,23 +34,38 @@ class TrainConfig:
     steps: int = knob(1000, "Optimizer steps to run.", min=1, max=1_000_000)
     learning_rate: float = knob(1e-4, "Peak learning rate.", min=1e-7, max=1.0, step=1e-6)
     schedule: str = knob(
-        "constant", "After warmup: keep the rate, or decay it to zero (cosine / linear).", options=SCHEDULES
+        "constant",
+        "After warmup: keep the rate, or decay it (cosine / linear) to lr_floor x the rate, reached just "
+        "after the last step.",
+        options=SCHEDULES,
+        advanced=True,
     )
     warmup_steps: int = knob(
-        0, "Steps over which the learning rate rises linearly from ~0.", min=0, max=100_000
+        0, "Steps over which the learning rate rises linearly from ~0.", min=0, max=100_000, advanced=True
     )
-    optimizer: str = knob("adamw", "AdamW, or Adafactor (less optimizer memory).", options=OPTIMIZERS)
-    weight_decay: float = knob(0.01, "Weight decay on the LoRA weights.", min=0.0, max=1.0, step=0.001)
+    optimizer: str = knob(
+        "adamw", "AdamW, or Adafactor (less optimizer memory).", options=OPTIMIZERS, advanced=True
+    )
+    weight_decay: float = knob(
+        0.01, "Weight decay on the LoRA weights.", min=0.0, max=1.0, step=0.001, advanced=True
+    )
     batch_size: int = knob(1, "Samples per micro-batch, all from one aspect bucket.", min=1, max=64)
-    gradient_accumulation: int = knob(1, "Micro-batches per optimizer step.", min=1, max=256)
+    gradient_accumulation: int = knob(1, "Micro-batches per optimizer step.", min=1, max=256, advanced=True)
     max_grad_norm: float = knob(
-        1.0, "Clip the LoRA gradient norm to this; 0 disables clipping.", min=0.0, max=100.0, step=0.1
+        1.0,
+        "Clip the LoRA gradient norm to this; 0 disables clipping.",
+        min=0.0,
+        max=100.0,
+        step=0.1,
+        advanced=True,
     )
     rank: int = knob(16, "LoRA rank: the adapter's capacity.", min=1, max=256)
     alpha: float = knob(
         16.0, "LoRA alpha: updates are scaled by alpha / rank.", min=0.01, max=1024.0, step=0.5
     )
-    dropout: float = knob(0.0, "Dropout on the LoRA input during training.", min=0.0, max=0.9, step=0.01)
+    dropout: float = knob(
+        0.0, "Dropout on the LoRA input during training.", min=0.0, max=0.9, step=0.01, advanced=True
+    )
     targets: str = knob(
         "attention_mlp",
         "Layers that get a LoRA (single blocks always adapt their fused attention + MLP layers).",
@@ -58,14 +78,26 @@ class TrainConfig:
         "flux_shift",
         "How noise levels are drawn; flux_shift follows Flux's resolution-dependent schedule.",
         options=SAMPLERS,
+        advanced=True,
     )
-    logit_mean: float = knob(0.0, "logit_normal: mean.", min=-5.0, max=5.0, step=0.05)
-    logit_std: float = knob(1.0, "logit_normal: standard deviation.", min=0.01, max=5.0, step=0.05)
+    logit_mean: float = knob(0.0, "logit_normal: mean.", min=-5.0, max=5.0, step=0.05, advanced=True)
+    logit_std: float = knob(
+        1.0, "logit_normal: standard deviation.", min=0.01, max=5.0, step=0.05, advanced=True
+    )
     sigmoid_scale: float = knob(
-        1.0, "sigmoid / shift / flux_shift: sigmoid(scale x normal draw).", min=0.01, max=10.0, step=0.05
+        1.0,
+        "sigmoid / shift / flux_shift: sigmoid(scale x normal draw).",
+        min=0.01,
+        max=10.0,
+        step=0.05,
+        advanced=True,
     )
-    shift: float = knob(3.0, "shift: the fixed discrete-flow shift.", min=0.01, max=100.0, step=0.1)
-    loss_weighting: str = knob("none", "Per-sample loss weight by noise level.", options=WEIGHTINGS)
+    shift: float = knob(
+        3.0, "shift: the fixed discrete-flow shift.", min=0.01, max=100.0, step=0.1, advanced=True
+    )
+    loss_weighting: str = knob(
+        "none", "Per-sample loss weight by noise level.", options=WEIGHTINGS, advanced=True
+    )
     guidance: float = knob(
         1.0,
         "Guidance-embedding value for guidance-distilled models (FLUX.1 dev / "
@@ -73,15 +105,23 @@ class TrainConfig:
         min=0.0,
         max=100.0,
         step=0.1,
+        advanced=True,
     )
     ip_noise_gamma: float = knob(
-        0.0, "Input-perturbation noise strength (0 = off).", min=0.0, max=1.0, step=0.01
+        0.0, "Input-perturbation noise strength (0 = off).", min=0.0, max=1.0, step=0.01, advanced=True
     )
     caption_dropout: float = knob(
-        0.0, "Probability of training a sample on the empty prompt.", min=0.0, max=1.0, step=0.01
+        0.0,
+        "Probability of training a sample on the empty prompt.",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        advanced=True,
     )
     gradient_checkpointing: bool = knob(
-        True, "Recompute block activations in backward: much less memory, about a third slower."
+        True,
+        "Recompute block activations in backward: much less memory, about a third slower.",
+        advanced=True,
     )
     fp8_mode: str = knob(
         "as_loaded",
@@ -111,7 +151,36 @@ class TrainConfig:
         min=0,
         max=1_000_000,
     )
-    keep_last: int = knob(3, "Checkpoints kept; older ones are deleted (0 keeps all).", min=0, max=1000)
+    keep_last: int = knob(
+        3, "Checkpoints kept; older ones are deleted (0 keeps all).", min=0, max=1000, advanced=True
+    )
+    # Added after `overwrite`: their widgets come after it (see `knob`'s `appended`).
+    validate_every: int = knob(
+        100,
+        "Every N steps and at the end, the flow loss of the dataset's held-out samples (hold_out) at "
+        "fixed noise levels and noise: its own curve on the chart. 0: only at the end.",
+        min=0,
+        max=1_000_000,
+        appended=True,
+    )
+    reference_dropout: float = knob(
+        0.0,
+        "Probability of training a sample without its reference images (as plain text-to-image).",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        advanced=True,
+        appended=True,
+    )
+    lr_floor: float = knob(
+        0.0,
+        "cosine / linear: the fraction of the learning rate the decay ends at.",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        advanced=True,
+        appended=True,
+    )
 
     def __post_init__(self):
         # 1) every number finite and within its widget's limits (NaN passes ComfyUI's min/max)

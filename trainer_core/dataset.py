@@ -9,7 +9,6 @@ latent shapes whenever a batch is packed (seed 001).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,7 +60,7 @@ class KontextDataset:
     entries: list[DatasetEntry]  # training samples
     held_out: list[DatasetEntry]  # validation samples
     empty_text_key: str
-    layout: str  # folder layout found ("one_folder" / "parallel_folders")
+    folder_structure: str  # how the dataset folder is arranged ("one_folder" / "parallel_folders")
     notices: list[str] = field(default_factory=list)
     encoded_images: int = 0  # encoder calls made while building (0 on a fully cached pass)
     encoded_texts: int = 0
@@ -182,21 +181,8 @@ def build_dataset(
         [e for i, e in enumerate(entries) if i not in held],
         [e for i, e in enumerate(entries) if i in held],
         empty_key,
-        scan.layout,
+        scan.folder_structure,
         list(scan.notices),
         encoded["images"],
         encoded["texts"],
     )
-
-
-def identity_of(named_tensors, extra: object = "") -> str:
-    """A cheap fingerprint of an encoder's weights: names, shapes, dtypes and a strided sample
-    of each tensor's values (hashing billions of T5 weights in full would take minutes)."""
-    digest = hashlib.sha256(repr(extra).encode())
-    for name, tensor in named_tensors:
-        flat = tensor.detach().reshape(-1)
-        step = max(1, flat.numel() // 64)
-        sample = flat[::step][:64].float().cpu().numpy().tobytes()
-        digest.update(f"{name}|{tuple(tensor.shape)}|{tensor.dtype}|".encode())
-        digest.update(sample)
-    return digest.hexdigest()[:32]

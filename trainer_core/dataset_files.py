@@ -1,7 +1,7 @@
 """Finding the samples of a dataset folder and validating every file before anything is
 encoded. All problems are collected and reported together, each naming the file and the fix.
 
-Two layouts (see the README):
+Two folder structures (see the README):
 
 one folder                          parallel folders
   cat.png         target              images/cat.png      target
@@ -14,6 +14,8 @@ No references at all is plain FLUX.1-dev training. Images: png, jpg / jpeg, webp
 
 from __future__ import annotations
 
+import hashlib
+import os
 import re
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
@@ -49,7 +51,7 @@ class SampleFiles:
 @dataclass
 class DatasetScan:
     root: Path
-    layout: str  # "one_folder" or "parallel_folders"
+    folder_structure: str  # "one_folder" or "parallel_folders"
     samples: list[SampleFiles]
     notices: list[str] = field(default_factory=list)  # conversions and warnings, not errors
 
@@ -241,3 +243,23 @@ def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetS
     if problems:
         raise DatasetProblems(root, problems)
     return DatasetScan(root, "parallel_folders" if parallel else "one_folder", samples, notices)
+
+
+def folder_fingerprint(root: Path) -> str:
+    """Names, sizes and modification times of the files under `root` and its direct subfolders
+    (the two levels a dataset uses): changes when the dataset changes, so ComfyUI re-runs the
+    node that loads it."""
+    digest = hashlib.sha256(str(root).encode())
+    if root.is_dir():
+        for directory, subdirs, files in os.walk(root):
+            depth = Path(directory).relative_to(root).parts
+            if len(depth) >= 1:
+                subdirs[:] = []
+            for name in sorted(files):
+                try:
+                    stat = (Path(directory) / name).stat()
+                except OSError:  # a broken link, a file removed meanwhile: the scan will say so
+                    digest.update(f"{directory}/{name}|unreadable".encode())
+                    continue
+                digest.update(f"{directory}/{name}|{stat.st_size}|{stat.st_mtime_ns}".encode())
+    return digest.hexdigest()

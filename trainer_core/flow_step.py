@@ -57,6 +57,16 @@ def _stack_text(texts) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
 
 
+def drop_references(samples: Sequence[Sample], rate: float, generator: torch.Generator) -> list[Sample]:
+    """Reference dropout: each sample loses all its references with probability `rate` and
+    trains as plain text-to-image. One draw per sample from the run's generator (none at rate
+    0, so runs without it keep their random sequence), so a resumed run drops the same ones."""
+    if rate <= 0:
+        return list(samples)
+    dropped = (torch.rand(len(samples), generator=generator) < rate).tolist()
+    return [replace(s, references=[]) if drop else s for s, drop in zip(samples, dropped, strict=True)]
+
+
 def flow_matching_loss(
     predict: Predict,
     samples: Sequence[Sample],
@@ -65,7 +75,9 @@ def flow_matching_loss(
     empty_text: EmptyText | None = None,
     patch_size: int = 2,
 ) -> torch.Tensor:
-    # 1) pack targets and references into one token batch (references stay clean)
+    # 1) pack targets and references (after reference dropout) into one token batch; references
+    # stay clean
+    samples = drop_references(samples, config.reference_dropout, generator)
     clean = build_token_batch(
         [s.target for s in samples], [s.references for s in samples], config.layout, patch_size
     )
@@ -77,8 +89,6 @@ def flow_matching_loss(
     perturbation = None
     if config.ip_noise_gamma:
         perturbation = torch.randn(clean.tokens.shape, generator=generator).to(device, clean.tokens.dtype)
-    mixed, velocity = noisy_input(clean.tokens, noise, sigma.to(device), perturbation, config.ip_noise_gamma)
-    noisy_tokens = torch.where(clean.target[..., None], mixed, clean.tokens)
     # 4) text, with the empty prompt swapped in for dropped captions
     texts = [(s.context, s.pooled) for s in samples]
     drop_draw = torch.rand(batch, generator=generator)
@@ -87,10 +97,40 @@ def flow_matching_loss(
             raise ValueError("caption dropout needs the cached empty-prompt embedding")
         empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
+    weights = loss_weights(sigma, config.loss_weighting)
+    return _loss_at(predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma)
+
+
+def fixed_noise_loss(
+    predict: Predict, sample: Sample, layout: str, patch_size: int, sigma: float, noise_seed: int
+) -> torch.Tensor:
+    """The unweighted flow loss of one sample at noise level `sigma` with the noise drawn from
+    its own generator seeded by `noise_seed`: the same value for the same model, and no draw
+    from any other random state (held-out validation)."""
+    clean = build_token_batch([sample.target], [sample.references], layout, patch_size)
+    noise = torch.randn(clean.tokens.shape, generator=torch.Generator().manual_seed(noise_seed))
+    sigmas = torch.tensor([float(sigma)])
+    return _loss_at(
+        predict, clean, sigmas, noise.to(clean.tokens), [(sample.context, sample.pooled)], torch.ones(1)
+    )
+
+
+def _loss_at(
+    predict: Predict,
+    clean: TokenBatch,
+    sigma: torch.Tensor,
+    noise: torch.Tensor,
+    texts,
+    weights: torch.Tensor,
+    perturbation: torch.Tensor | None = None,
+    ip_noise_gamma: float = 0.0,
+) -> torch.Tensor:
+    """Noise the target tokens, predict, and compare on target tokens only, on the device the
+    model computed on (the samples may wait on the CPU while the model runs on a GPU)."""
+    device = clean.tokens.device
+    mixed, velocity = noisy_input(clean.tokens, noise, sigma.to(device), perturbation, ip_noise_gamma)
+    noisy_tokens = torch.where(clean.target[..., None], mixed, clean.tokens)
     context, pooled = _stack_text(texts)
-    # 5) predict and compare on target tokens only, on the device the model computed on (the
-    # samples may wait on the CPU while the model runs on a GPU)
     prediction = predict(replace(clean, tokens=noisy_tokens), sigma.to(device), context, pooled)
     on = prediction.device
-    weights = loss_weights(sigma, config.loss_weighting)
     return masked_flow_loss(prediction, velocity.to(on), clean.target.to(on), weights.to(on))

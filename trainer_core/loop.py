@@ -5,7 +5,14 @@ Model-free: `loss_fn(batch, generator)` evaluates the objective (see `flow_step`
 anything small in tests. `on_step` receives a `StepInfo` after every optimizer step;
 returning False stops the run at that step boundary. Everything random comes from the one
 generator (plus torch's global RNG for dropout, which the caller owns), so a run resumed from
-a checkpoint continues with exactly the losses of an uninterrupted one.
+a checkpoint continues with exactly the losses of an uninterrupted one. `validate()` (the
+held-out loss, see `validation`) runs every `validate_every` steps and after the last one,
+between steps, with every random state put back afterwards: training is the same with or
+without it.
+
+The learning rate of step k is the schedule of a run of `config.steps` at k. Continuing a
+finished run with a larger `steps` therefore continues along the longer run's schedule from
+k (with cosine / linear the rate goes back up to where that schedule is at k).
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import torch
 
 from .buckets import epoch_batches
 from .config import TrainConfig
+from .rng import RandomState
 from .schedule import lr_multiplier
 
 
@@ -38,7 +46,8 @@ class StepInfo:
     total: int
     loss: float
     learning_rate: float
-    seconds: float  # wall time of this step
+    seconds: float  # wall time of this step (validation excluded)
+    validation_loss: float | None = None  # computed after this step, if it was due
 
 
 @dataclass
@@ -49,11 +58,13 @@ class ResumeState:
     losses: list[float]
     optimizer_state: dict
     generator_state: torch.Tensor
+    validation: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
 class TrainResult:
     losses: list[float] = field(default_factory=list)
+    validation: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
     stopped_early: bool = False
     optimizer: torch.optim.Optimizer | None = None
     generator: torch.Generator | None = None
@@ -61,26 +72,6 @@ class TrainResult:
     @property
     def steps(self) -> int:
         return len(self.losses)
-
-
-@dataclass
-class _RandomState:
-    """Every random state a step consumes: the objective's generator and torch's global RNGs."""
-
-    generator: torch.Tensor
-    cpu: torch.Tensor
-    cuda: torch.Tensor | None
-
-    @classmethod
-    def capture(cls, generator: torch.Generator) -> _RandomState:
-        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() else None
-        return cls(generator.get_state(), torch.get_rng_state(), cuda)
-
-    def restore(self, generator: torch.Generator) -> None:
-        generator.set_state(self.generator)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda)
 
 
 class DataOrder:
@@ -122,6 +113,7 @@ def train(
     resume: ResumeState | None = None,
     on_checkpoint: Callable[[int, TrainResult], None] | None = None,
     stop_on: tuple[type[BaseException], ...] = (),
+    validate: Callable[[], float] | None = None,
 ) -> TrainResult:
     """`stop_on`: exceptions that mean "stop now" when raised inside a step (ComfyUI's
     interrupt, raised by its ops during compute). The step is abandoned: its gradients are
@@ -138,12 +130,14 @@ def train(
             group["weight_decay"] = config.weight_decay
         generator.set_state(resume.generator_state)
         start, result.losses = resume.step, list(resume.losses)
+        result.validation = list(resume.validation)
     accumulation = config.gradient_accumulation
     for step in range(start, config.steps):
         started = time.perf_counter()
-        boundary = _RandomState.capture(generator)
+        boundary = RandomState.capture(generator)
         # 1) learning rate for this step
-        lr = config.learning_rate * lr_multiplier(step, config.steps, config.warmup_steps, config.schedule)
+        multiplier = lr_multiplier(step, config.steps, config.warmup_steps, config.schedule, config.lr_floor)
+        lr = config.learning_rate * multiplier
         for group in optimizer.param_groups:
             group["lr"] = lr
         # 2) gradients of the mean loss over the accumulated micro-batches
@@ -172,7 +166,22 @@ def train(
         result.losses.append(total)
         done = step + 1
         # the step's own time (a checkpoint written below is timed apart by the caller)
-        info = StepInfo(done, config.steps, total, lr, time.perf_counter() - started)
+        seconds = time.perf_counter() - started
+        # 4) the held-out loss, if due (before the checkpoint, which keeps it)
+        validation = None
+        if validate is not None and (
+            done == config.steps or (config.validate_every and done % config.validate_every == 0)
+        ):
+            around = RandomState.capture(generator)
+            try:
+                validation = float(validate())
+            except stop_on:  # Cancel while validating: the step is done, stop after it
+                result.stopped_early = done < config.steps
+                break
+            finally:
+                around.restore(generator)
+            result.validation.append((done, validation))
+        info = StepInfo(done, config.steps, total, lr, seconds, validation)
         if (
             on_checkpoint is not None
             and config.save_every

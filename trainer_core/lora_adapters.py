@@ -13,6 +13,7 @@ be trained.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -106,7 +107,10 @@ def attach_lora(
 
     With `initial` (e.g. a LoRA file read by `lora_file.from_state_dict`), its modules are
     the targets and their rank, alpha and weights are used; otherwise peft's initialisation
-    (lora_A Kaiming-uniform from torch's global RNG, lora_B zero: the model is unchanged).
+    (lora_A Kaiming-uniform from torch's global CPU RNG, lora_B zero: the model is unchanged).
+    lora_A is drawn in float32 on the CPU after peft has built the layers, so the start is the
+    same for fp32, bf16 and fp8 base weights and on every device (peft creates the factors in
+    the base weight's dtype, which would round the start to bf16 or e4m3).
     """
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
@@ -147,6 +151,12 @@ def attach_lora(
             dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
             layer.lora_A.to(device=device, dtype=dtype)
             layer.lora_B.to(device=device, dtype=dtype)
+            if initial is None:
+                weight = layer.lora_A[ADAPTER].weight
+                start = torch.empty(weight.shape, dtype=dtype)
+                torch.nn.init.kaiming_uniform_(start, a=math.sqrt(5))  # peft's (and nn.Linear's) init
+                with torch.no_grad():
+                    weight.copy_(start)
         for param in model.parameters():
             param.requires_grad_(False)
         for param in attached.parameters():

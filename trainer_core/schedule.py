@@ -11,7 +11,10 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str, floor: floa
     """Multiplier of the base learning rate for 0-based `step` of `total`.
 
     1) warmup: rises linearly, (step + 1) / warmup, over the first `warmup` steps;
-    2) then constant 1, or decays to `floor` by the last step (linearly or along a half cosine).
+    2) then constant 1, or decays from 1 towards `floor` (linearly or along a half cosine)
+       over the `total - warmup` steps after warmup;
+    3) the floor is reached *after* the last step (as in transformers' and kohya's
+       schedules), so every step, the last one included, still updates the weights.
     """
     if schedule not in SCHEDULES:
         raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
@@ -19,8 +22,7 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str, floor: floa
         return (step + 1) / warmup
     if schedule == "constant":
         return 1.0
-    decay_steps = total - warmup - 1
-    progress = 1.0 if decay_steps <= 0 else min(1.0, (step - warmup) / decay_steps)
+    progress = min(1.0, (step - warmup) / max(1, total - warmup))
     if schedule == "linear":
         return 1.0 - (1.0 - floor) * progress
     return floor + (1.0 - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))

@@ -6,7 +6,6 @@ and the inference example runs as shipped on the demo's files."""
 from __future__ import annotations
 
 import json
-from urllib.parse import urlparse
 
 import pytest
 
@@ -15,11 +14,6 @@ from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
 EXAMPLES = REPO_ROOT / "example_workflows"
 WORKFLOWS = sorted(EXAMPLES.glob("*.json"))
 TRAINER = "KontextTrainer_TrainLoRA"
-# Offline machines cannot resolve the hosts the frontend asks for release notes and node-registry
-# data; each such request logs this console error. Dropped only while every unresolved request
-# went to one of these hosts (see `problems`).
-REGISTRY_HOSTS = {"api.comfy.org"}
-UNRESOLVED = "console error: Failed to load resource: net::ERR_NAME_NOT_RESOLVED"
 # The canvas's nodes as [id, type] pairs.
 GRAPH_TYPES_JS = "() => window.comfyAPI.app.app.graph.nodes.map((n) => [String(n.id), n.type])"
 
@@ -42,29 +36,11 @@ def user_files(server) -> None:
             Image.new("RGB", (64, 64), (200, 100, 50)).save(inputs / image)
 
 
-def fresh(page) -> None:
-    """Forget what happened while the page started (the fixture's business), and start
-    recording the hosts of requests that could not be resolved."""
-    page.wait_for_timeout(1500)  # start-up requests (settings, user data, release notes) end
-    page.page_errors.clear()
-    page.unresolved_hosts = set()
-    page.on(
-        "requestfailed",
-        lambda request: (
-            page.unresolved_hosts.add(urlparse(request.url).hostname)
-            if "ERR_NAME_NOT_RESOLVED" in (request.failure or "")
-            else None
-        ),
-    )
-
-
 def problems(page) -> list[str]:
-    """`ui_problems()`, without the offline registry look-ups (see REGISTRY_HOSTS)."""
-    page.wait_for_timeout(500)  # late toasts, image requests of LoadImage previews
-    found = page.ui_problems()
-    if page.unresolved_hosts <= REGISTRY_HOSTS:
-        found = [p for p in found if p != UNRESOLVED]
-    return found
+    """`ui_problems()` (conftest: errors, dialogs, toasts; offline registry look-ups left out),
+    once late toasts and the image requests of LoadImage previews have come."""
+    page.wait_for_timeout(500)
+    return page.ui_problems()
 
 
 def wait_for_graph(page, workflow: dict) -> None:
@@ -132,7 +108,7 @@ def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
     assert not missing, f"{path.name} uses node types this ComfyUI lacks: {missing}"
 
     user_files(server)
-    fresh(comfy_page)
+    comfy_page.forget_problems()  # what happened while the page started
     prompt = comfy_page.evaluate(
         """async (workflow) => {
             const app = window.comfyAPI.app.app;
@@ -182,7 +158,7 @@ def test_opening_the_template_shows_no_problem(comfy_page, server, path):
     listed = server.get_json("/workflow_templates")[PACK_DIR_NAME]
     assert path.stem in listed
     user_files(server)
-    fresh(comfy_page)
+    comfy_page.forget_problems()  # what happened while the page started
     fetched = []
     comfy_page.on(
         "response",
@@ -208,7 +184,7 @@ def test_opening_the_template_shows_no_problem(comfy_page, server, path):
 def test_dropping_the_file_on_the_canvas_shows_no_problem(comfy_page, server, path):
     """A real `drop` event with the file on the canvas: the frontend's own drop handler."""
     user_files(server)
-    fresh(comfy_page)
+    comfy_page.forget_problems()  # what happened while the page started
     comfy_page.evaluate(
         """([text, name]) => {
             const transfer = new DataTransfer();

@@ -5,6 +5,7 @@ stopping the run, and a server killed mid-save leaving every file whole."""
 from __future__ import annotations
 
 import json
+import math
 import time
 from pathlib import Path
 
@@ -45,8 +46,19 @@ def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
     assert events[-1]["node"] == "5" and events[-1]["prompt_id"] == prompt_id
     assert any(e["message"].startswith("estimated VRAM ~") for e in events)  # shown before training
     assert any(m["type"] == "progress" and m["data"]["node"] == "5" for m in messages)  # ComfyUI's own bar
-    outputs = server.history(prompt_id)["outputs"]
-    assert (loras(server) / "kt_e2e_events.safetensors").is_file()
+    # What the node publishes in /history (its `ui`): the file name and one loss per step, the
+    # same losses the websocket reported while it ran.
+    published = server.history(prompt_id)["outputs"]["5"]
+    assert published["lora_name"] == ["kt_e2e_events.safetensors"]
+    losses = published["loss"]
+    assert len(losses) == 6 and all(isinstance(x, float) and math.isfinite(x) and x > 0 for x in losses)
+    reported = {e["step"]: e["loss"] for e in events if e["step"] >= 1 and e["loss"] is not None}
+    assert reported and all(
+        loss == pytest.approx(losses[step - 1], rel=1e-6) for step, loss in reported.items()
+    )
+    tensors, metadata = load(loras(server) / "kt_e2e_events.safetensors")
+    assert metadata["ss_steps"] == "6" and metadata["ss_network_dim"] == "2"  # the graph's steps and rank
+    assert any(float(t.abs().max()) > 0 for k, t in tensors.items() if "lora_B" in k)
 
     probe = {
         "1": {"class_type": "KTTest_TinyFluxModel", "inputs": {"seed": 3}},
@@ -59,7 +71,31 @@ def test_progress_events_then_the_stock_loader_reads_the_lora(server, dataset):
     probe_id, probe_messages = server.run_prompt(probe)
     assert probe_messages[-1]["type"] == "execution_success", probe_messages[-1]
     assert server.history(probe_id)["outputs"]["3"]["difference"][0] > 0  # the LoRA changes the model
-    assert outputs is not None
+
+
+def test_held_out_validation_through_the_server(server, dataset):
+    """One of the three samples held out: its loss every 2 steps and after the last, in the
+    websocket events, /history and the chart PNG beside the LoRA."""
+    graph = training_graph(dataset, "kt_e2e_validation", steps=5, validate_every=2, hold_out=1, dropout=0.1)
+    prompt_id, messages = server.run_prompt(graph)
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    published = server.history(prompt_id)["outputs"]["5"]
+    assert published["validation_step"] == [2, 4, 5] and len(published["loss"]) == 5
+    assert all(math.isfinite(v) and v > 0 for v in published["validation_loss"])
+    events = [e for e in progress_events(messages) if e.get("validation_step") is not None]
+    assert events and {e["validation_step"] for e in events} <= {2, 4, 5}
+    final = events[-1]
+    assert final["validation_step"] == 5 and final["validation_loss"] == published["validation_loss"][-1]
+    # the same run without validation points trains exactly the same (every 2 -> at the end only)
+    graph_once = training_graph(
+        dataset, "kt_e2e_validation_once", steps=5, validate_every=0, hold_out=1, dropout=0.1
+    )
+    once_id, once_messages = server.run_prompt(graph_once)
+    assert once_messages[-1]["type"] == "execution_success"
+    once = server.history(once_id)["outputs"]["5"]
+    assert once["loss"] == published["loss"] and once["validation_step"] == [5]
+    assert once["validation_loss"] == published["validation_loss"][-1:]
+    assert (loras(server) / "kt_e2e_validation_loss.png").is_file()
 
 
 def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, dataset):

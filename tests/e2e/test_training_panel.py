@@ -1,14 +1,16 @@
 """The TrainLoRA progress panel in the real frontend (headless Debian Chromium): it follows a
 run live (queued from the page, as a user does), restarts its chart for the next run, keeps a
 step-labelled preview history, shows a run only in the workflow that queued it, survives a
-page reload, and its smoothing and long-run chart match the Python side."""
+page reload, its smoothing and long-run chart match the Python side, and it draws the held-out validation
+curve from events and from the progress route."""
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import uuid
-from urllib.parse import urlparse
+from urllib.parse import parse_qs, urlparse
 
 import pytest
 
@@ -17,8 +19,6 @@ from kt_testing.graphs import training_graph
 from kt_testing.paths import REPO_ROOT
 
 ARTIFACTS = REPO_ROOT / ".cache" / "test-artifacts"
-REGISTRY_HOSTS = {"api.comfy.org"}  # asked for node-registry data and release notes
-UNRESOLVED = "console error: Failed to load resource: net::ERR_NAME_NOT_RESOLVED"
 
 RUN_SHOWN = """(node) => {
     const run = window.KontextTrainer?.runShown?.(node);
@@ -77,15 +77,6 @@ def to_ui_format(chromium, server):
 def prepare(page, server):
     page.set_viewport_size({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
     server.post_json("/settings/Comfy.TutorialCompleted", True)  # no template browser on top
-    page.unresolved_hosts = set()
-    page.on(
-        "requestfailed",
-        lambda request: (
-            page.unresolved_hosts.add(urlparse(request.url).hostname)
-            if "ERR_NAME_NOT_RESOLVED" in (request.failure or "")
-            else None
-        ),
-    )
     reload(page)
 
 
@@ -99,17 +90,7 @@ def reload(page):
         " && !!window.LiteGraph?.registered_node_types?.['KTTest_TinyCLIP']",
         timeout=60_000,
     )
-    page.wait_for_timeout(1500)  # start-up requests (settings, user data, release notes) end
-    page.page_errors.clear()
-
-
-def problems(page) -> list[str]:
-    """`ui_problems()`, less the console errors of the frontend's registry look-ups, which an
-    offline machine cannot resolve (only while every unresolved request went to such a host)."""
-    found = page.ui_problems()
-    if page.unresolved_hosts <= REGISTRY_HOSTS:
-        found = [p for p in found if p != UNRESOLVED]
-    return found
+    page.forget_problems()  # after the start-up requests (settings, user data, release notes)
 
 
 def open_workflow(page, to_ui_format, graph, name) -> str:
@@ -244,7 +225,7 @@ def test_two_runs_in_a_row_restart_the_chart_and_keep_the_previews(comfy_page, s
     comfy_page.screenshot(path=str(ARTIFACTS / "training_panel_preview_large.png"))
     comfy_page.keyboard.press("Escape")
     comfy_page.locator(".kt-preview-large").wait_for(state="detached", timeout=10_000)
-    assert not problems(comfy_page)
+    assert not comfy_page.ui_problems()
 
 
 def test_a_second_workflow_tab_shows_only_its_own_runs(comfy_page, server, dataset, to_ui_format):
@@ -283,7 +264,7 @@ def test_a_second_workflow_tab_shows_only_its_own_runs(comfy_page, server, datas
         ".textContent === 'idle'",
         timeout=30_000,
     )
-    assert not problems(comfy_page)
+    assert not comfy_page.ui_problems()
 
 
 def python_smoothing(losses, beta=0.9):
@@ -344,7 +325,7 @@ def test_smoothing_matches_python_and_a_million_steps_draw_fast(comfy_page, serv
     assert timing["ms"] < 2_000, timing
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     comfy_page.locator(".kt-training-panel").first.screenshot(path=str(ARTIFACTS / "training_panel_long.png"))
-    assert not problems(comfy_page)
+    assert not comfy_page.ui_problems()
 
 
 def test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab(
@@ -385,4 +366,147 @@ def test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab(
     route = server.get_json("/kontext_trainer/progress")
     comfy_page.wait_for_function(f"() => {run}.losses.length === {len(route['losses'])}", timeout=30_000)
     assert comfy_page.evaluate(f"() => {run}.losses") == pytest.approx(route["losses"], rel=1e-9)
-    assert not problems(comfy_page)
+    assert not comfy_page.ui_problems()
+
+
+# The panel's chart (web/js/training_chart.js): padding in CSS pixels, drawn at 2 canvas pixels
+# per CSS pixel; a validation point is a square of 2 x 2.5 CSS pixels in rgb(90, 215, 120).
+PAD_LEFT, PAD_RIGHT, PAD_TOP, PAD_BOTTOM, RESOLUTION, MARKER = 6, 6, 16, 14, 2, 2.5
+VALIDATION_RGB = (90, 215, 120)
+LEGEND_ROWS = int(RESOLUTION * (PAD_TOP - MARKER)) - 1  # canvas rows above the highest square
+
+# Where the panel's canvas has the validation colour: exactly (the curve and its squares) and,
+# in the legend's rows, nearly (antialiased text and its line).
+VALIDATION_PIXELS = """([node, rgb, legendRows]) => {
+    window.KontextTrainer.redraw();
+    const graph = window.comfyAPI.app.app.graph;
+    const canvas = (graph.getNodeById(Number(node)) ?? graph.getNodeById(node)).ktTrainingPanel
+        .querySelector('canvas');
+    const { data, width, height } = canvas.getContext('2d').getImageData(0, 0, canvas.width, canvas.height);
+    const exact = [];
+    let legend = 0;
+    for (let i = 0; i < data.length; i += 4) {
+        const x = (i / 4) % width, y = Math.floor(i / 4 / width);
+        const d = [0, 1, 2].map((c) => Math.abs(data[i + c] - rgb[c]));
+        if (d.every((v) => v === 0) && y >= legendRows) exact.push([x, y]);
+        if (d.every((v) => v <= 40) && y < legendRows) legend++;
+    }
+    return { width, height, exact, legend };
+}"""
+
+LOSSES = [2.0, 1.6, 1.3, 1.1, 1.0, 0.9, 0.85, 0.8]  # steps 1..8 of the synthetic run
+
+
+def run_state(step, validation, status="running"):
+    """What the progress route serves for the synthetic run after `step` steps."""
+    return {
+        "node": "5",
+        "prompt_id": "kt-validation-run",
+        "workflow_id": None,  # queued through the API: shown on node 5 of any workflow
+        "lora_name": "kt_panel_heldout.safetensors",
+        "status": status,
+        "step": step,
+        "total": len(LOSSES),
+        "loss": LOSSES[step - 1],
+        "smoothed_loss": LOSSES[step - 1],
+        "lr": 1e-4,
+        "seconds_per_step": 0.5,
+        "eta_seconds": 0.5 * (len(LOSSES) - step),
+        "message": "",
+        "previews": [],
+        "validation_loss": validation[-1][1] if validation else None,
+        "validation_step": validation[-1][0] if validation else None,
+        "losses": LOSSES[:step],
+        "validation": [list(point) for point in validation],
+    }
+
+
+def expected_squares(pixels, steps, points, low, high):
+    """Canvas pixel of each point's centre, by the chart's geometry (computed here by hand)."""
+    width, height = pixels["width"] / RESOLUTION, pixels["height"] / RESOLUTION
+    plot_w, plot_h = width - PAD_LEFT - PAD_RIGHT, height - PAD_TOP - PAD_BOTTOM
+    return [
+        (
+            RESOLUTION * (PAD_LEFT + (step - 1) / (steps - 1) * plot_w),
+            RESOLUTION * (PAD_TOP + (1 - (loss - low) / (high - low)) * plot_h),
+        )
+        for step, loss in points
+    ]
+
+
+def assert_validation_drawn(pixels, steps, points, low, high):
+    exact = {tuple(p) for p in pixels["exact"]}
+    centres = expected_squares(pixels, steps, points, low, high)
+    half = RESOLUTION * MARKER
+    for x, y in centres:  # a square: its centre and all four corners (a line covers two at most)
+        for dx, dy in [(0, 0), (-half + 1, -half + 1), (half - 1, -half + 1), (-half + 1, half - 1)]:
+            assert (int(x + dx), int(y + dy)) in exact, ((x, y), (dx, dy), sorted(exact)[:20])
+        assert (int(x + half - 1), int(y + half - 1)) in exact
+    # nothing in that colour left of the first square or right of the last one
+    columns = [x for x, _ in exact]
+    assert abs(min(columns) - (centres[0][0] - half)) <= 1, (min(columns), centres[0])
+    assert abs(max(columns) - (centres[-1][0] + half)) <= 1, (max(columns), centres[-1])
+    assert pixels["legend"] > 0  # "validation" in the legend
+
+
+def test_validation_curve_from_events_and_after_a_reload(comfy_page, server, dataset, to_ui_format):
+    """Synthetic progress events (as TrainLoRA sends them, throttled: steps 2, 3 and the point
+    after step 2 never come as events) and a progress route served by the test: the panel
+    fetches the missing points, draws each at its step on the training loss's axes, and after
+    a reload redraws them from the route alone."""
+    prepare(comfy_page, server)
+    served = {"state": run_state(1, [])}
+
+    def progress_route(route):
+        since = int(parse_qs(urlparse(route.request.url).query).get("since", ["0"])[0])
+        state = dict(served["state"])
+        since = min(since, len(state["losses"]))
+        state.update(losses=state["losses"][since:], losses_from=since)
+        route.fulfill(status=200, content_type="application/json", body=json.dumps(state))
+
+    comfy_page.route(re.compile(r"/kontext_trainer/progress(\?|$)"), progress_route)
+    graph = training_graph(dataset, "kt_panel_heldout", steps=len(LOSSES))
+    open_workflow(comfy_page, to_ui_format, graph, "panel_heldout.json")
+    run = "window.KontextTrainer.runs.get('kt-validation-run', '5')"
+
+    def send(state):
+        served["state"] = state
+        event = {k: v for k, v in state.items() if k not in ("losses", "validation")}
+        comfy_page.evaluate(
+            "(event) => window.comfyAPI.api.api.dispatchCustomEvent('kontext_trainer.progress', event)", event
+        )
+
+    send(run_state(1, []))
+    send(run_state(2, []))  # two points: a chart, no validation yet
+    comfy_page.wait_for_function(f"() => {run}?.losses.length === 2")
+    pixels = comfy_page.evaluate(VALIDATION_PIXELS, ["5", VALIDATION_RGB, LEGEND_ROWS])
+    assert pixels["exact"] == [] and pixels["legend"] == 0
+    assert "validation" not in comfy_page.evaluate(PANEL, "5")["text"]
+
+    # step 4's event carries the point after step 4; the one after step 2 is only in the route
+    send(run_state(4, [(2, 2.4), (4, 1.5)]))
+    comfy_page.wait_for_function(f"() => {run}.validation.length === 2 && {run}.losses.length === 4")
+    assert comfy_page.evaluate(f"() => {run}.validation") == [[2, 2.4], [4, 1.5]]
+    pixels = comfy_page.evaluate(VALIDATION_PIXELS, ["5", VALIDATION_RGB, LEGEND_ROWS])
+    # 4 steps; range [1.1, 2.4]: the point after step 2 (2.4, above every loss) on the top edge
+    assert_validation_drawn(pixels, 4, [(2, 2.4), (4, 1.5)], 1.1, 2.4)
+    assert "validation 1.5000" in comfy_page.evaluate(PANEL, "5")["text"]
+
+    final = [(2, 2.4), (4, 1.5), (6, 1.2), (8, 0.7)]  # 0.7: below every loss, the bottom edge
+    send(run_state(8, final, status="finished"))
+    comfy_page.wait_for_function(f"() => {run}.validation.length === 4 && {run}.losses.length === 8")
+    pixels = comfy_page.evaluate(VALIDATION_PIXELS, ["5", VALIDATION_RGB, LEGEND_ROWS])
+    assert_validation_drawn(pixels, 8, final, 0.7, 2.4)
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    comfy_page.locator(".kt-training-panel canvas").first.screenshot(
+        path=str(ARTIFACTS / "training_panel_validation.png")
+    )
+
+    reload(comfy_page)  # the route (still the test's) is all the page has
+    open_workflow(comfy_page, to_ui_format, graph, "panel_heldout_again.json")
+    comfy_page.wait_for_function(f"() => {run}?.validation.length === 4 && {run}.losses.length === 8")
+    assert comfy_page.evaluate(f"() => {run}.validation") == [list(p) for p in final]
+    pixels = comfy_page.evaluate(VALIDATION_PIXELS, ["5", VALIDATION_RGB, LEGEND_ROWS])
+    assert_validation_drawn(pixels, 8, final, 0.7, 2.4)
+    assert "validation 0.7000" in comfy_page.evaluate(PANEL, "5")["text"]
+    assert not comfy_page.ui_problems()

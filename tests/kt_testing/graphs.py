@@ -15,6 +15,7 @@ def training_graph(
     preview_every: int = 0,
     overwrite: bool = False,
     resume_from: str = "none",
+    hold_out: int = 0,
     **overrides,
 ) -> dict:
     settings = {f: getattr(TrainConfig(), f) for f in TrainConfig.__dataclass_fields__}
@@ -26,7 +27,7 @@ def training_graph(
         "3": {"class_type": "KTTest_TinyCLIP", "inputs": {"seed": 2}},
         "4": {
             "class_type": "KontextTrainer_LoadKontextDataset",
-            "inputs": dataset_inputs(["2", 0], ["3", 0], dataset),
+            "inputs": {**dataset_inputs(["2", 0], ["3", 0], dataset), "hold_out": hold_out},
         },
         "5": {
             "class_type": "KontextTrainer_TrainLoRA",

@@ -201,7 +201,7 @@ def test_fp8_scaled_quantises_before_comfyui_loads(mods, pack_import):
 
     model = base_model("fp32", True)
     flux = model.model.diffusion_model
-    scaled = pack_import("nodes.fp8_scaled").scaled_layer_names(flux)
+    scaled = pack_import("trainer_core.fp8_rows").scaled_layer_names(flux)
     expected = mm.module_size(model.model) - sum(3 * flux.get_submodule(n).weight.numel() for n in scaled)
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode="fp8_scaled", seed=2)
     with mods.ft.flux_lora_session(model, config) as session:

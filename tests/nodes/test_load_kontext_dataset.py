@@ -1,11 +1,10 @@
 """LoadKontextDataset in the real runtime with a real (small) Flux VAE and a real ComfyUI CLIP
-object: both layouts, named problems with nothing written, the cache across passes, encoder
+object: both folder structures, named problems with nothing written, the cache across passes, encoder
 identities, and a training step on what it loads."""
 
 from __future__ import annotations
 
 import importlib
-import shutil
 from pathlib import Path
 
 import pytest
@@ -80,7 +79,7 @@ def test_one_folder_in_the_input_directory(node, encoders, input_dir, tmp_path):
 def test_parallel_folders_by_absolute_path_and_hold_out(node, encoders, tmp_path):
     root = write_parallel(tmp_path / "set", ["a", "b", "c"], references=1, size=(64, 64))
     dataset, _ = run(node, encoders, path=root, cache=tmp_path / "cache", hold_out=1)
-    assert dataset.layout == "parallel_folders"
+    assert dataset.folder_structure == "parallel_folders"
     assert len(dataset.entries) == 2 and len(dataset.held_out) == 1
 
 
@@ -132,16 +131,6 @@ def test_paths_are_checked(node, input_dir):
     assert node.resolve_cache_folder("", Path("/out")) == Path("/out") / node.CACHE_FOLDER_NAME
 
 
-def test_fingerprint_changes_when_the_folder_changes(node, tmp_path):
-    root = write_one_folder(tmp_path / "set", ["a"], references=0)
-    before = node.folder_fingerprint(root)
-    assert node.folder_fingerprint(root) == before
-    (root / "a.txt").write_text("something else entirely", encoding="utf-8")
-    assert node.folder_fingerprint(root) != before
-    shutil.rmtree(root)
-    assert node.folder_fingerprint(root) != before
-
-
 def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
     ft = importlib.import_module(f"{pack.__name__}.nodes.flux_training")
     loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
@@ -190,9 +179,3 @@ def test_a_cache_folder_that_cannot_be_created_is_named(node, encoders, tmp_path
             f"cache_folder: cannot create or write to {cache} ({reason}); give a folder ComfyUI may "
             "create and write to, or leave cache_folder empty to use output/kontext_trainer_cache"
         )
-
-
-def test_fingerprint_survives_a_broken_link(node, tmp_path):
-    root = write_one_folder(tmp_path / "set", ["a"], references=0)
-    (root / "gone.png").symlink_to(tmp_path / "nowhere.png")
-    assert node.folder_fingerprint(root) == node.folder_fingerprint(root)

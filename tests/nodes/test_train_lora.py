@@ -125,7 +125,22 @@ def test_widgets_come_from_the_config(mods):
     widgets = {i.id: i for i in schema.inputs}
     for f in dataclasses.fields(mods.config.TrainConfig):
         assert widgets[f.name].tooltip == f.metadata["tooltip"]
+        spec = widgets[f.name].as_dict()
+        assert spec.get("advanced", False) == f.metadata["advanced"], f.name
+        assert widgets[f.name].optional == f.metadata["appended"], f.name
     assert widgets["targets"].options == ["attention", "attention_mlp", "all_linear"]
+    # the order saved workflows rely on: the 0.4 widgets, then those added after `overwrite`
+    order = [i.id for i in schema.inputs if i.id not in ("model", "dataset", "preview")]
+    before = order[: order.index("overwrite") + 1]
+    assert before[:2] == ["lora_name", "resume_from"] and len(before) == 32
+    assert order[order.index("overwrite") + 1 :] == [
+        "validate_every",
+        "reference_dropout",
+        "lr_floor",
+        "start_from_lora",
+    ]
+    visible = [name for name in order if not widgets[name].as_dict().get("advanced")]
+    assert len(visible) <= 17, visible
 
 
 def test_resume_continues_with_identical_losses(mods, dataset):

@@ -78,6 +78,8 @@ def test_every_float_setting_has_limits():
         "guidance",
         "ip_noise_gamma",
         "caption_dropout",
+        "reference_dropout",
+        "lr_floor",
     ]
     for f in dataclasses.fields(TrainConfig):
         if f.name in FLOAT_FIELDS:

@@ -1,8 +1,11 @@
-"""Both folder layouts are found; every problem is reported at once, naming file and fix."""
+"""Both folder structures are found; every problem is reported at once, naming file and fix; the
+folder fingerprint follows the files a dataset uses."""
 
 from __future__ import annotations
 
+import os
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -12,14 +15,14 @@ from PIL import Image
 from kt_testing.bad_files import write_huge_png
 from kt_testing.datasets import color_image, write_one_folder, write_parallel
 from trainer_core import dataset_files
-from trainer_core.dataset_files import DatasetProblems, scan_dataset
+from trainer_core.dataset_files import DatasetProblems, folder_fingerprint, scan_dataset
 from trainer_core.image_files import read_image
 
 
-def test_one_folder_layout(tmp_path):
+def test_one_folder_structure(tmp_path):
     root = write_one_folder(tmp_path / "set", ["cat", "dog"], references=2)
     scan = scan_dataset(root)
-    assert scan.layout == "one_folder"
+    assert scan.folder_structure == "one_folder"
     assert [s.name for s in scan.samples] == ["cat", "dog"]
     cat = scan.samples[0]
     assert cat.target.name == "cat.png"
@@ -28,10 +31,10 @@ def test_one_folder_layout(tmp_path):
     assert scan.notices == []
 
 
-def test_parallel_folders_layout(tmp_path):
+def test_parallel_folders_structure(tmp_path):
     root = write_parallel(tmp_path / "set", ["cat", "dog"], references=2)
     scan = scan_dataset(root)
-    assert scan.layout == "parallel_folders"
+    assert scan.folder_structure == "parallel_folders"
     dog = scan.samples[1]
     assert dog.target == root / "images" / "dog.png"
     assert dog.references == [root / "control" / "dog.png", root / "control_1" / "dog.png"]
@@ -202,3 +205,31 @@ def test_unreadable_captions_and_folders_are_named(tmp_path, monkeypatch):
     assert caught.value.problems == [
         f"{root}: cannot be read (Permission denied); check that ComfyUI may read it"
     ]
+
+
+def test_fingerprint_changes_when_the_folder_changes(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    before = folder_fingerprint(root)
+    assert folder_fingerprint(root) == before
+    (root / "a.txt").write_text("something else entirely", encoding="utf-8")
+    assert folder_fingerprint(root) != before
+    shutil.rmtree(root)
+    assert folder_fingerprint(root) != before
+
+
+def test_fingerprint_reads_the_folder_and_its_subfolders_only(tmp_path):
+    root = write_parallel(tmp_path / "set", ["a"], references=1)
+    before = folder_fingerprint(root)
+    deeper = root / "control" / "old"
+    deeper.mkdir()
+    (deeper / "a.png").write_bytes(b"not part of the dataset")  # a third level: not read
+    assert folder_fingerprint(root) == before
+    stat = (root / "control" / "a.png").stat()
+    os.utime(root / "control" / "a.png", ns=(stat.st_atime_ns, stat.st_mtime_ns + 1))  # touched
+    assert folder_fingerprint(root) != before
+
+
+def test_fingerprint_survives_a_broken_link(tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a"], references=0)
+    (root / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    assert folder_fingerprint(root) == folder_fingerprint(root)

@@ -134,3 +134,41 @@ def test_caption_dropout_works_when_the_empty_prompt_has_another_length():
     recorder = Recorder()
     flow_matching_loss(recorder, long_caption, TrainConfig(caption_dropout=1.0), torch.Generator(), empty)
     assert recorder.context.shape == (1, 3, 8)
+
+
+def test_reference_dropout_draws_first_and_drops_whole_samples_references():
+    gen = torch.Generator().manual_seed(11)
+    samples = [make_sample(gen, refs=((4, 2), (2, 2))) for _ in range(6)]
+    config = TrainConfig(timestep_sampler="uniform", reference_dropout=0.5)
+    recorder = Recorder()
+    flow_matching_loss(recorder, samples, config, torch.Generator().manual_seed(1))
+    # the first draw of the step: one uniform per sample, dropped where it is below the rate
+    dropped = (torch.rand(6, generator=torch.Generator().manual_seed(1)) < 0.5).tolist()
+    assert 0 < sum(dropped) < 6  # this seed drops some and keeps some
+    for i, drop in enumerate(dropped):
+        # 4 target tokens; kept references add 2 + 1 tokens (padded batch: invalid rows follow)
+        valid = int(recorder.batch.valid[i].sum())
+        assert valid == (4 if drop else 7)
+        assert int(recorder.batch.target[i].sum()) == 4
+
+
+def test_reference_dropout_one_trains_as_text_to_image_and_zero_draws_nothing():
+    gen = torch.Generator().manual_seed(12)
+    samples = [make_sample(gen)]
+    plain = Sample(samples[0].target, samples[0].context, samples[0].pooled, [])
+    for rate, reference in ((1.0, None), (0.0, samples[0])):
+        recorder = Recorder()
+        generator = torch.Generator().manual_seed(4)
+        loss = flow_matching_loss(recorder, samples, TrainConfig(reference_dropout=rate), generator)
+        # the same step as the sample without references (rate 1) or as before the feature
+        # existed (rate 0: no extra draw, so the same noise and sigma)
+        expected_recorder = Recorder()
+        expected_generator = torch.Generator().manual_seed(4)
+        if reference is None:
+            torch.rand(1, generator=expected_generator)  # rate 1 still draws its uniform
+        expected = flow_matching_loss(
+            expected_recorder, [plain if reference is None else reference], TrainConfig(), expected_generator
+        )
+        assert torch.equal(recorder.batch.tokens, expected_recorder.batch.tokens)
+        assert float(loss) == float(expected)
+        assert torch.equal(generator.get_state(), expected_generator.get_state())

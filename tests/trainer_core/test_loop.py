@@ -123,8 +123,8 @@ def test_schedule_sets_each_steps_learning_rate():
     seen = []
     config = TrainConfig(steps=4, learning_rate=0.2, warmup_steps=2, schedule="linear")
     train(config, [weight], lambda i: 1.0, loss_fn, lambda info: seen.append(info.learning_rate))
-    # warmup 0.1, 0.2; then linear decay over 2 steps: 0.2, 0.0
-    assert seen == pytest.approx([0.1, 0.2, 0.2, 0.0])
+    # warmup 0.1, 0.2; then linear decay over the last 2 steps: 0.2, 0.1 (0 would be step 5)
+    assert seen == pytest.approx([0.1, 0.2, 0.2, 0.1])
 
 
 def test_non_finite_loss_stops_before_the_update():
@@ -196,29 +196,43 @@ def test_data_order_covers_each_epoch_and_is_recomputable():
 
 
 def test_stop_inside_a_step_is_a_clean_boundary():
+    """Stopped inside step 3 and resumed in the same process, the run continues exactly as an
+    uninterrupted one: the abandoned step's draws from the loop's generator AND from torch's
+    global RNG (which dropout uses) are both given back. The loss depends on both."""
+
     class Stop(Exception):
         pass
 
+    def dropout_problem():
+        weight, loss_fn = quadratic_problem()
+
+        def loss_with_dropout(batch, generator):
+            keep = torch.nn.functional.dropout(torch.ones(3), p=0.5)  # torch's global RNG
+            return loss_fn(batch, generator) * keep.sum()
+
+        return weight, loss_with_dropout
+
     config = TrainConfig(steps=5, learning_rate=0.05, seed=2)
-    weight, loss_fn = quadratic_problem()
+    weight, loss_fn = dropout_problem()
+    torch.manual_seed(0)
     uninterrupted = train(config, [weight], lambda i: 1.0, loss_fn).losses
 
-    stopped, stopped_loss_fn = quadratic_problem()
+    stopped, stopped_loss_fn = dropout_problem()
     calls = []
 
     def interrupted_loss(batch, generator):
         calls.append(1)
-        loss = stopped_loss_fn(batch, generator)  # draws from the generator, then is interrupted
-        torch.rand(3)  # and consumes the global RNG, as dropout would
+        loss = stopped_loss_fn(batch, generator)  # draws from both RNGs, then is interrupted
         if len(calls) == 3:
             raise Stop
         return loss
 
+    torch.manual_seed(0)
     result = train(config, [stopped], lambda i: 1.0, interrupted_loss, stop_on=(Stop,))
     assert result.stopped_early and len(result.losses) == 2
     assert stopped.grad is None  # the abandoned step left no gradient behind
     state = ResumeState(2, result.losses, result.optimizer.state_dict(), result.generator.get_state())
-    resumed = train(config, [stopped], lambda i: 1.0, stopped_loss_fn, resume=state)
+    resumed = train(config, [stopped], lambda i: 1.0, stopped_loss_fn, resume=state)  # no reseeding
     assert resumed.losses == uninterrupted
 
 

@@ -112,3 +112,16 @@ def test_errors_name_the_layer():
     with pytest.raises(RuntimeError, match="already has LoRA layers"):
         attach_lora(toy, ["mlp.0"], rank=2, alpha=2.0)
     lora.detach()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn])
+def test_the_start_is_the_same_float32_draw_whatever_the_base_dtype(dtype):
+    torch.manual_seed(5)
+    reference = attach_lora(Toy(), ["attn", "mlp.0"], rank=2, alpha=2.0).modules()
+    torch.manual_seed(5)
+    low = Toy().to(dtype)
+    modules = attach_lora(low, ["attn", "mlp.0"], rank=2, alpha=2.0).modules()
+    for name, module in modules.items():
+        assert module.down.dtype == torch.float32
+        assert torch.equal(module.down, reference[name].down), name  # not rounded to the base dtype
+        assert not torch.equal(module.down.to(dtype).float(), module.down)

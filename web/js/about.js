@@ -3,7 +3,7 @@
 // lists the pack's web features and the events each one listens to.
 const { app } = window.comfyAPI.app;
 
-export const PACK_VERSION = "0.1.0"; // kept equal to pyproject.toml by tests/nodes/test_pack.py
+export const PACK_VERSION = "0.1.0"; // kept equal to pyproject.toml by tests/test_project.py
 
 app.registerExtension({
   name: "KontextTrainer.About",

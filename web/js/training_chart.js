@@ -1,11 +1,14 @@
 // Kontext Trainer: draws a run's loss chart on a canvas: the raw losses as a band (the min /
 // max of every pixel column, so a million steps cost one pass and a few hundred segments),
-// the bias-corrected smoothed loss as a line, and the range and step count as labels.
-import { chartEnvelope, smoothLosses, valueRange } from "./training_math.js";
+// the bias-corrected smoothed loss as a line, the held-out validation loss as its own line with
+// a square at each point (same step and loss axes), and the range and step count as labels.
+import { chartEnvelope, smoothLosses, validationShown, valueRange } from "./training_math.js";
 
 const BACKGROUND = "#18181b";
 const RAW = "#6e8cbe";
 const SMOOTHED = "#ffaa3c";
+export const VALIDATION = "#5ad778"; // rgb(90, 215, 120), as trainer_core/loss_chart.py
+const MARKER = 2.5; // half the side of a validation point's square, in CSS pixels
 const LABEL = "#9a9aa2";
 const PAD = { left: 6, right: 6, top: 16, bottom: 14 }; // in CSS pixels, room for the labels
 const RESOLUTION = 2; // canvas pixels per CSS pixel: sharp when the graph canvas is zoomed in
@@ -14,7 +17,8 @@ function formatLoss(value) {
   return Math.abs(value) >= 1e-3 && Math.abs(value) < 1e4 ? value.toPrecision(3) : value.toExponential(1);
 }
 
-export function drawChart(canvas, losses) {
+// `validation`: [step, loss] pairs, steps 1-based like the losses' positions.
+export function drawChart(canvas, losses, validation = []) {
   const width = canvas.clientWidth || 240; // 0 while the node is hidden: draw at a default size
   const height = canvas.clientHeight || 96;
   const scale = RESOLUTION;
@@ -26,7 +30,8 @@ export function drawChart(canvas, losses) {
   ctx.fillRect(0, 0, width, height);
   ctx.font = "10px sans-serif";
   ctx.fillStyle = LABEL;
-  const range = valueRange(losses);
+  const heldOut = validationShown(validation, losses.length);
+  const range = valueRange(losses, heldOut);
   if (losses.length < 2 || range === null) {
     ctx.textAlign = "center";
     ctx.fillText(losses.length ? "waiting for the second step" : "no losses yet", width / 2, height / 2 + 3);
@@ -54,6 +59,14 @@ export function drawChart(canvas, losses) {
     polyline(ctx, e.count, (c) => x(e.at[c]), (c) => y(e.high[c]), RAW, 1);
   }
   polyline(ctx, e.count, (c) => x(e.at[c]), (c) => y(e.smooth[c]), SMOOTHED, 2);
+  if (heldOut.length) {
+    const atStep = (i) => x((heldOut[i][0] - 1) / (losses.length - 1));
+    polyline(ctx, heldOut.length, atStep, (i) => y(heldOut[i][1]), VALIDATION, 1.5);
+    ctx.fillStyle = VALIDATION;
+    for (let i = 0; i < heldOut.length; i++) {
+      ctx.fillRect(atStep(i) - MARKER, y(heldOut[i][1]) - MARKER, 2 * MARKER, 2 * MARKER);
+    }
+  }
 
   ctx.fillStyle = LABEL;
   ctx.textAlign = "left";
@@ -61,10 +74,16 @@ export function drawChart(canvas, losses) {
   ctx.fillText(`min ${formatLoss(range.low)}`, PAD.left, height - 3);
   ctx.textAlign = "right";
   ctx.fillText(`${losses.length.toLocaleString("en-US")} steps`, width - PAD.right, height - 3);
-  ctx.fillStyle = SMOOTHED;
-  ctx.fillText("smoothed", width - PAD.right, 11);
-  ctx.fillStyle = RAW;
-  ctx.fillText("loss  ", width - PAD.right - ctx.measureText("smoothed").width, 11);
+  // the legend, right to left; "loss" becomes "train" once there is a second loss to tell apart
+  const legend = heldOut.length
+    ? [["train", RAW], ["smoothed", SMOOTHED], ["validation", VALIDATION]]
+    : [["loss", RAW], ["smoothed", SMOOTHED]];
+  let right = width - PAD.right;
+  for (const [name, color] of legend.reverse()) {
+    ctx.fillStyle = color;
+    ctx.fillText(name, right, 11);
+    right -= ctx.measureText(name).width + 6;
+  }
 }
 
 function polyline(ctx, count, xAt, yAt, color, lineWidth) {

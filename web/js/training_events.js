@@ -17,4 +17,6 @@ export const PAYLOAD_FIELDS = [
   "eta_seconds",
   "message",
   "previews",
+  "validation_loss",
+  "validation_step",
 ];

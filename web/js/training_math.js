@@ -2,7 +2,7 @@
 // loops so a run of 1,000,000 steps neither overflows the call stack (`Math.min(...losses)`
 // does) nor draws a million line segments.
 
-export const SMOOTHING_BETA = 0.9; // the same as ProgressTracker in nodes/training_job.py
+export const SMOOTHING_BETA = 0.9; // the same as ProgressTracker in trainer_core/job.py
 
 // The smoothed loss exactly as Python sends it (`smoothed_loss`):
 // 1) ema_k = beta * ema_{k-1} + (1 - beta) * x_k, with ema_0 = 0
@@ -19,8 +19,9 @@ export function smoothLosses(losses, beta = SMOOTHING_BETA) {
   return smoothed;
 }
 
-// The lowest and highest finite value (null when there is none).
-export function valueRange(values) {
+// The lowest and highest finite value (null when there is none), of the values and of the
+// losses of [step, loss] points (the validation curve shares the training loss's axis).
+export function valueRange(values, points = []) {
   let low = Infinity;
   let high = -Infinity;
   for (let i = 0; i < values.length; i++) {
@@ -28,7 +29,17 @@ export function valueRange(values) {
     if (v < low) low = v;
     if (v > high) high = v;
   }
+  for (const [, v] of points) {
+    if (v < low) low = v;
+    if (v > high) high = v;
+  }
   return low <= high ? { low, high } : null;
+}
+
+// The validation points the chart can place: steps 1..steps (the steps whose losses it has),
+// in step order.
+export function validationShown(points, steps) {
+  return points.filter(([step]) => step >= 1 && step <= steps).sort((a, b) => a[0] - b[0]);
 }
 
 // What one chart column shows when many steps share it: the raw losses' min / max envelope

@@ -1,5 +1,6 @@
 // Kontext Trainer: a live panel on every TrainLoRA node: status, progress bar, step / total,
-// loss and smoothed loss with a chart, learning rate, s/step, ETA and the preview history.
+// loss and smoothed loss with a chart (and the held-out validation loss when the run computes
+// one), learning rate, s/step, ETA and the preview history.
 // It follows the one training event (training_events.js) and ComfyUI's queue (a queued run
 // shows "queued" before it starts); after a page reload it redraws itself from
 // GET /kontext_trainer/progress. Runs are keyed by prompt id and node and shown only in their
@@ -7,7 +8,7 @@
 // window.KontextTrainer.
 import { drawChart } from "./training_chart.js";
 import { PROGRESS_EVENT } from "./training_events.js";
-import { chartEnvelope, smoothLosses, valueRange } from "./training_math.js";
+import { chartEnvelope, smoothLosses, validationShown, valueRange } from "./training_math.js";
 import { renderPreviews } from "./training_previews.js";
 import { ENDED, RunStore, workflowKey } from "./training_runs.js";
 
@@ -49,7 +50,11 @@ function texts(run) {
     status,
     name: p?.lora_name ?? "",
     step: p?.total ? `step ${count(p.step)} / ${count(p.total)}` : "",
-    loss: p?.loss != null ? `loss ${p.loss.toFixed(4)} · smoothed ${p.smoothed_loss?.toFixed(4) ?? "–"}` : "",
+    loss:
+      p?.loss != null
+        ? `loss ${p.loss.toFixed(4)} · smoothed ${p.smoothed_loss?.toFixed(4) ?? "–"}` +
+          (p.validation_loss != null ? ` · validation ${p.validation_loss.toFixed(4)}` : "")
+        : "",
     speed,
     message: p?.message ?? "",
   };
@@ -67,7 +72,7 @@ function render(node) {
   field("status").title = run ? `prompt ${run.promptId}` : "this node has not trained in this workflow";
   const fraction = p?.total ? Math.min(p.step / p.total, 1) : 0;
   field("bar-fill").style.width = `${(100 * fraction).toFixed(1)}%`;
-  drawChart(element.querySelector("canvas"), run?.losses ?? []);
+  drawChart(element.querySelector("canvas"), run?.losses ?? [], run?.validation ?? []);
   renderPreviews(field("previews"), p?.previews ?? []);
   field("no-previews").style.display = p?.previews?.length ? "none" : "flex";
 }
@@ -90,14 +95,17 @@ async function fetchState(since = 0) {
 }
 
 // Losses of the steps between two throttled events (and the last ones when a run ends): only
-// the missing tail is fetched, one request at a time per run.
+// the missing tail is fetched, one request at a time per run. The validation points (few)
+// come whole with it.
 async function fetchLosses(run) {
   if (run.fetching) return void (run.fetchAgain = true);
   run.fetching = true;
+  run.validationStale = false; // this fetch brings every point recorded so far
   try {
     const state = await fetchState(run.losses.length);
     if (state.prompt_id === run.promptId && String(state.node) === run.node) {
       store.setLosses(run, state.losses_from, state.losses);
+      store.addValidation(run, state.validation);
       renderNode(run.node);
     }
   } finally {
@@ -105,14 +113,14 @@ async function fetchLosses(run) {
   }
   if (run.fetchAgain) {
     run.fetchAgain = false;
-    if (run.missing) await fetchLosses(run);
+    if (run.missing || run.validationStale) await fetchLosses(run);
   }
 }
 
 function onProgress(payload) {
   const run = store.applyProgress(payload);
   renderNode(run.node);
-  if (run.missing || ENDED.includes(run.status)) fetchLosses(run).catch(() => {});
+  if (run.missing || run.validationStale || ENDED.includes(run.status)) fetchLosses(run).catch(() => {});
 }
 
 // Every TrainLoRA of a queued or running prompt (from any client) becomes a "queued" run.
@@ -166,6 +174,7 @@ window.KontextTrainer = Object.assign(window.KontextTrainer ?? {}, {
   smoothLosses,
   chartEnvelope,
   valueRange,
+  validationShown,
   drawChart,
 });
 
@@ -183,6 +192,7 @@ app.registerExtension({
     if (state.node != null) {
       const run = store.applyProgress(state);
       store.setLosses(run, state.losses_from ?? 0, state.losses);
+      store.addValidation(run, state.validation);
     }
     await followQueue();
   },

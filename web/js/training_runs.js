@@ -42,6 +42,7 @@ export class RunStore {
       status: "queued",
       progress: { status: "queued", step: 0, total: 0, lora_name: loraName, previews: [] },
       losses: [],
+      validation: [], // [step, loss] of the held-out evaluations, in step order
       queued: true, // no progress event yet
       order: 0,
     };
@@ -58,7 +59,9 @@ export class RunStore {
   }
 
   // A progress event (or the progress route's state). Returns the run; `run.missing` says
-  // whether losses between two (throttled) events are still to be fetched.
+  // whether losses between two (throttled) events are still to be fetched; `run.validationStale`
+  // that a validation point not seen before came (the ones between two events are then fetched
+  // too; the fetch clears it).
   applyProgress(payload) {
     const run = this.addQueued(payload.prompt_id, payload.node, payload.workflow_id, payload.lora_name);
     if (run.queued) this.start(run);
@@ -66,7 +69,21 @@ export class RunStore {
     run.status = payload.status;
     if (payload.loss != null && payload.step === run.losses.length + 1) run.losses.push(payload.loss);
     run.missing = payload.step > run.losses.length;
+    if (payload.validation_step != null) {
+      const added = this.addValidation(run, [[payload.validation_step, payload.validation_loss]]);
+      run.validationStale = run.validationStale || added;
+    }
     return run;
+  }
+
+  // Validation points (from an event or the route); a point of a step already known replaces
+  // it. Returns whether a new step came.
+  addValidation(run, points) {
+    const byStep = new Map(run.validation);
+    const known = byStep.size;
+    for (const [step, loss] of points ?? []) byStep.set(Number(step), loss);
+    run.validation = [...byStep].sort((a, b) => a[0] - b[0]);
+    return byStep.size > known;
   }
 
   // A TrainLoRA that failed before it could send anything (e.g. it refused to overwrite a LoRA).

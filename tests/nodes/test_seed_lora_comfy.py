@@ -1,0 +1,107 @@
+"""A seed LoRA read by `read_seed_lora` is the LoRA ComfyUI's stock loader applies.
+
+Files in kohya and diffusers (ai-toolkit, SimpleTuner) names are generated from ComfyUI's own key
+maps (`comfy.lora.model_lora_keys_unet`, `comfy.utils.flux_to_diffusers`), so the name mapping
+under test is checked against an independent one; each file is applied through
+`comfy.sd.load_lora_for_models` and ModelPatcher.patch_model, and every weight's change must equal
+the `delta()` of our module for that layer.
+"""
+
+from __future__ import annotations
+
+import torch
+from safetensors.torch import save_file
+
+from trainer_core.seed_lora import read_seed_lora
+
+RANK = 4
+
+
+def linear_shapes(flux) -> dict[str, tuple[int, int]]:
+    return {name: tuple(m.weight.shape) for name, m in flux.named_modules() if isinstance(m, torch.nn.Linear)}
+
+
+def stock_deltas(patcher, lora: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
+    """Weight changes when ComfyUI's stock path applies `lora` at strength 1."""
+    import comfy.sd
+
+    flux = patcher.model.diffusion_model
+    before = {name: flux.get_submodule(name).weight.detach().clone() for name in names}
+    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0.0)
+    patched.patch_model(device_to=torch.device("cpu"))
+    try:
+        after = {name: flux.get_submodule(name).weight.detach().clone() for name in names}
+    finally:
+        patched.unpatch_model(device_to=torch.device("cpu"))
+    return {name: after[name] - before[name] for name in names if not torch.equal(after[name], before[name])}
+
+
+def assert_same_deltas(ours, stock):
+    assert set(ours) == set(stock)
+    for name, module in ours.items():
+        expected = stock[name]
+        error = (module.delta() - expected).abs().max() / expected.abs().max()
+        assert error <= 1e-6, (name, float(error))
+
+
+def test_kohya_file_matches_the_stock_loader(comfy_runtime, tmp_path):
+    import comfy.lora
+
+    from kt_testing.tiny_models import tiny_flux_patcher
+
+    patcher = tiny_flux_patcher(seed=11)
+    shapes = linear_shapes(patcher.model.diffusion_model)
+    gen = torch.Generator().manual_seed(5)
+    lora = {}
+    # ComfyUI's own kohya names: key_map entries `lora_unet_*` -> `diffusion_model.<layer>.weight`
+    for key, target in comfy.lora.model_lora_keys_unet(patcher.model, {}).items():
+        name = target[len("diffusion_model.") : -len(".weight")] if isinstance(target, str) else None
+        if not key.startswith("lora_unet_") or name not in shapes:
+            continue
+        out, inp = shapes[name]
+        lora[f"{key}.lora_down.weight"] = torch.randn(RANK, inp, generator=gen)
+        lora[f"{key}.lora_up.weight"] = torch.randn(out, RANK, generator=gen)
+        lora[f"{key}.alpha"] = torch.rand((), generator=gen) * 8
+    path = tmp_path / "kohya.safetensors"
+    save_file(lora, str(path))
+
+    ours = read_seed_lora(path, list(shapes), RANK, shapes)
+    assert set(ours) == set(shapes)  # every Linear layer of the tiny Flux
+    assert_same_deltas(ours, stock_deltas(patcher, lora, shapes))
+
+
+def test_diffusers_file_matches_the_stock_loader(comfy_runtime, tmp_path):
+    import comfy.utils
+
+    from kt_testing.tiny_models import tiny_flux_patcher
+
+    patcher = tiny_flux_patcher(seed=12)
+    shapes = linear_shapes(patcher.model.diffusion_model)
+    gen = torch.Generator().manual_seed(6)
+    unet_config = patcher.model.model_config.unet_config
+    lora = {}
+    for i, (key, target) in enumerate(sorted(comfy.utils.flux_to_diffusers(unet_config).items())):
+        if not key.endswith(".weight"):
+            continue
+        # target: "<layer>.weight", or (that, (dim, offset, size)) for a slice, or (that, None, fn)
+        weight_key, slice_ = (target, None) if isinstance(target, str) else (target[0], target[1])
+        name = weight_key[: -len(".weight")]
+        if name not in shapes:
+            continue  # a norm scale, not a Linear layer
+        out, inp = shapes[name] if slice_ is None else (slice_[2], shapes[name][1])
+        stem = "transformer." + key[: -len(".weight")]
+        lora[f"{stem}.lora_A.weight"] = torch.randn(RANK, inp, generator=gen)
+        lora[f"{stem}.lora_B.weight"] = torch.randn(out, RANK, generator=gen)
+        if i % 2:  # peft files usually carry no alpha; some converters add one
+            lora[f"{stem}.alpha"] = torch.rand((), generator=gen) * 8
+    assert "transformer.transformer_blocks.0.attn.add_k_proj.lora_A.weight" in lora
+    assert "transformer.single_transformer_blocks.1.proj_mlp.lora_A.weight" in lora
+    assert "transformer.norm_out.linear.lora_A.weight" in lora
+    path = tmp_path / "diffusers.safetensors"
+    save_file(lora, str(path))
+
+    ours = read_seed_lora(path, list(shapes), RANK, shapes)
+    assert set(ours) == set(shapes)
+    assert ours["double_blocks.0.img_attn.qkv"].rank == 3 * RANK
+    assert ours["single_blocks.0.linear1"].rank == 4 * RANK
+    assert_same_deltas(ours, stock_deltas(patcher, lora, shapes))

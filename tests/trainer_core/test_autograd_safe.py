@@ -1,0 +1,82 @@
+"""make_autograd_safe_: a module made under torch.inference_mode (as every ComfyUI loader makes
+its weights) cannot be trained, nor pass gradients through its frozen layers; after the swap
+it can, with bit-equal values, the same flags, tied weights still tied and untouched tensors
+still the same objects."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from trainer_core.autograd_safe import make_autograd_safe_
+
+
+def loaded_under_inference_mode() -> torch.nn.Sequential:
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        return torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.LayerNorm(3), torch.nn.Linear(3, 2))
+
+
+def sgd_step(module: torch.nn.Module) -> None:
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    module(torch.randn(5, 4)).square().sum().backward()
+    optimizer.step()
+
+
+def input_gradient(module: torch.nn.Module) -> torch.Tensor:
+    """The frozen-base case of LoRA training: the gradient flows through frozen weights."""
+    x = torch.randn(5, 4, requires_grad=True)
+    module(x).sum().backward()
+    return x.grad
+
+
+def test_an_inference_mode_module_cannot_be_trained_without_the_swap():
+    with pytest.raises(RuntimeError, match=r"(?i)inference tensor"):
+        sgd_step(loaded_under_inference_mode())
+    frozen = loaded_under_inference_mode().requires_grad_(False)
+    with pytest.raises(RuntimeError, match="Inference tensors cannot be saved for backward"):
+        input_gradient(frozen)
+
+
+def test_after_the_swap_it_trains_and_passes_gradients():
+    module = loaded_under_inference_mode()
+    before = {name: tensor.clone() for name, tensor in module.state_dict().items()}
+    assert make_autograd_safe_(module) == 6  # 2 Linears and the LayerNorm: weight and bias each
+    sgd_step(module)
+    after = module.state_dict()
+    assert all(not torch.equal(before[name], after[name]) for name in before)  # every parameter moved
+
+    frozen = loaded_under_inference_mode().requires_grad_(False)
+    make_autograd_safe_(frozen)
+    assert input_gradient(frozen).shape == (5, 4)
+
+
+def test_values_dtypes_and_flags_are_kept_bit_for_bit():
+    with torch.inference_mode():
+        module = torch.nn.Linear(8, 4, dtype=torch.bfloat16)
+        module.register_buffer("table", torch.arange(6, dtype=torch.int64))
+    module.bias.requires_grad_(False)
+    before = {
+        name: (t.clone(), t.dtype, t.requires_grad) for name, t in module.state_dict(keep_vars=True).items()
+    }
+    assert make_autograd_safe_(module) == 3
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        value, dtype, requires_grad = before[name]
+        assert not tensor.is_inference()
+        assert torch.equal(tensor, value) and tensor.dtype == dtype and tensor.requires_grad == requires_grad
+    assert isinstance(module.weight, torch.nn.Parameter) and isinstance(module.bias, torch.nn.Parameter)
+    assert not isinstance(module.table, torch.nn.Parameter) and "table" in module._buffers
+
+
+def test_tied_weights_stay_tied_and_normal_tensors_keep_their_identity():
+    with torch.inference_mode():
+        embed = torch.nn.Embedding(5, 3)
+        unembed = torch.nn.Linear(3, 5, bias=False)
+    unembed.weight = embed.weight  # one inference Parameter in two modules
+    normal = torch.nn.Linear(3, 3)  # made outside inference mode: nothing to replace
+    module = torch.nn.ModuleDict({"embed": embed, "unembed": unembed, "normal": normal})
+    kept = dict(normal.named_parameters())
+    assert make_autograd_safe_(module) == 1  # the shared tensor is copied once
+    assert module.embed.weight is module.unembed.weight and not module.embed.weight.is_inference()
+    assert all(getattr(normal, name) is parameter for name, parameter in kept.items())
+    assert make_autograd_safe_(module) == 0  # nothing left to replace

@@ -1,0 +1,77 @@
+"""What a resume must share with its checkpoint, and what a longer resumed run's schedule does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from trainer_core.config import TrainConfig
+from trainer_core.loop import ResumeState, train
+from trainer_core.resume import RESUME_MUST_MATCH, check_resume, run_record, schedule_note
+from trainer_core.schedule import lr_multiplier
+
+
+def state_of(config: TrainConfig, step: int, dataset_hash="d1") -> dict:
+    return {"config": run_record(config, dataset_hash), "step": step}
+
+
+# a value other than the default for each setting that decides the random draws
+CHANGED = {
+    "rank": 8,
+    "alpha": 4.0,
+    "targets": "attention",
+    "layout": "index",
+    "seed": 3,
+    "batch_size": 2,
+    "gradient_accumulation": 2,
+    "optimizer": "adafactor",
+    "timestep_sampler": "uniform",
+    "caption_dropout": 0.1,
+    "reference_dropout": 0.2,
+    "ip_noise_gamma": 0.1,
+    "dropout": 0.1,
+}
+
+
+def test_every_setting_that_shapes_the_run_must_match():
+    assert set(CHANGED) | {"dataset_hash"} == set(RESUME_MUST_MATCH)
+    saved = state_of(TrainConfig(steps=4), 2)
+    check_resume(saved, TrainConfig(steps=8, learning_rate=5e-5), "d1")  # others may change
+    for name, value in CHANGED.items():
+        with pytest.raises(ValueError, match=rf"trained with {name}=.* but this run has {name}="):
+            check_resume(saved, dataclasses.replace(TrainConfig(steps=8), **{name: value}), "d1")
+    with pytest.raises(ValueError, match="another dataset"):
+        check_resume(saved, TrainConfig(steps=8), "d2")
+    with pytest.raises(ValueError, match="at step 2 and steps is 2; raise steps"):
+        check_resume(saved, TrainConfig(steps=2), "d1")
+
+
+def test_a_checkpoint_from_before_a_setting_existed_counts_as_its_default():
+    saved = state_of(TrainConfig(steps=4), 2)
+    del saved["config"]["reference_dropout"]
+    check_resume(saved, TrainConfig(steps=8), "d1")
+    with pytest.raises(ValueError, match=r"reference_dropout=0\.0 but this run has reference_dropout=0\.5"):
+        check_resume(saved, TrainConfig(steps=8, reference_dropout=0.5), "d1")
+
+
+def test_continuing_a_finished_run_with_more_steps_follows_the_longer_schedule():
+    """Defined behaviour: step k of the continued run gets the rate a run planned for the new
+    `steps` has at k (README, 'Resume and continue')."""
+    first = TrainConfig(steps=4, learning_rate=0.1, schedule="cosine", seed=2)
+    weight = torch.nn.Parameter(torch.zeros(3))
+
+    def loss_fn(batch, generator):
+        return ((weight - torch.randn(3, generator=generator)) ** 2).sum()
+
+    done = train(first, [weight], lambda i: 1.0, loss_fn)
+    longer = dataclasses.replace(first, steps=8)
+    assert "continues as that of a 8-step run from step 4" in schedule_note(state_of(first, 4), longer)
+    assert schedule_note(state_of(first, 4), first) == ""
+    assert schedule_note(state_of(first, 4), dataclasses.replace(longer, schedule="constant")) == ""
+    rates = []
+    resume = ResumeState(4, done.losses, done.optimizer.state_dict(), done.generator.get_state())
+    train(longer, [weight], lambda i: 1.0, loss_fn, lambda info: rates.append(info.learning_rate), resume)
+    assert rates == pytest.approx([0.1 * lr_multiplier(k, 8, 0, "cosine") for k in range(4, 8)])
+    assert rates[0] == pytest.approx(0.05)  # back up from the first run's last rate (0.1 x 0.146)

@@ -1,0 +1,35 @@
+"""Making a module's inference tensors usable by autograd.
+
+ComfyUI runs every node under `torch.inference_mode()`, so the weights a stock loader creates
+are inference tensors, which autograd refuses to use (even frozen ones: a Linear saves its
+weight to compute the input's gradient, and inference tensors keep no version counter).
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def make_autograd_safe_(module: torch.nn.Module) -> int:
+    """Replace the module's inference tensors by normal copies, in place; returns how many.
+
+    Each inference parameter or buffer is swapped for a new tensor with the same name, value
+    (bit-equal), dtype, device and `requires_grad` (a Parameter stays a Parameter), as
+    ComfyUI's own weight patching swaps parameters; other workflows see bit-identical
+    outputs. Tensors that are not inference tensors keep their identity, and a tensor shared
+    by several modules (tied weights) is replaced by one copy, so they stay tied. Costs one
+    tensor's copy at a time. Call it with inference mode off: a copy made inside is again an
+    inference tensor."""
+    replaced: dict[int, torch.Tensor] = {}
+    for child in module.modules():
+        for table in (child._parameters, child._buffers):
+            for name, tensor in table.items():
+                if tensor is None or not tensor.is_inference():
+                    continue
+                if id(tensor) not in replaced:  # tied weights stay tied
+                    copy = tensor.detach().clone()
+                    if isinstance(tensor, torch.nn.Parameter):
+                        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
+                    replaced[id(tensor)] = copy
+                table[name] = replaced[id(tensor)]
+    return len(replaced)

@@ -1,0 +1,70 @@
+"""What a checkpoint must share with the run that resumes it, and the check that refuses a
+resume that could not continue it exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .config import TrainConfig
+
+# They shape the LoRA or its ids, or decide which random numbers each step draws: a resume
+# with any of them changed could not give exactly the losses of the uninterrupted run.
+RESUME_MUST_MATCH = (
+    "rank",
+    "alpha",
+    "targets",
+    "layout",
+    "seed",
+    "batch_size",
+    "gradient_accumulation",
+    "optimizer",
+    "timestep_sampler",
+    "caption_dropout",
+    "reference_dropout",
+    "ip_noise_gamma",
+    "dropout",
+    "dataset_hash",
+)
+_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+
+
+def run_record(config: TrainConfig, dataset_hash: str) -> dict:
+    """What a checkpoint remembers of its run (compared on resume)."""
+    return {**dataclasses.asdict(config), "dataset_hash": dataset_hash}
+
+
+def check_resume(state: dict, config: TrainConfig, dataset_hash: str) -> None:
+    """Refuse a resume that could not continue the checkpoint's run exactly. `state`: the
+    checkpoint's state.json (`checkpoint.read_state`). A setting a checkpoint predates counts
+    as its default (what that run trained with)."""
+    current, saved, step = run_record(config, dataset_hash), state["config"], int(state["step"])
+    for name in RESUME_MUST_MATCH:
+        before = saved.get(name, _DEFAULTS.get(name))
+        if before != current[name]:
+            if name == "dataset_hash":
+                raise ValueError(
+                    "resume_from: the checkpoint was trained on another dataset (other files, captions, "
+                    "sizes, hold-out or encoders); resume with the dataset it was trained on"
+                )
+            raise ValueError(
+                f"resume_from: the checkpoint was trained with {name}={before!r} but "
+                f"this run has {name}={current[name]!r}; set it back to resume"
+            )
+    if step >= config.steps:
+        raise ValueError(
+            f"resume_from: the checkpoint is at step {step} and steps is {config.steps}; "
+            "raise steps to train further"
+        )
+
+
+def schedule_note(state: dict, config: TrainConfig) -> str:
+    """What a resume with another `steps` does to a decaying schedule ('' when nothing
+    changes): the rate follows the schedule of a run of the new length from the checkpoint's
+    step on."""
+    saved_steps = state["config"].get("steps")
+    if config.schedule == "constant" or saved_steps in (None, config.steps):
+        return ""
+    return (
+        f"steps changed from {saved_steps} to {config.steps}: the {config.schedule} schedule continues as "
+        f"that of a {config.steps}-step run from step {int(state['step'])}"
+    )

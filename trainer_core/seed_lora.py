@@ -1,0 +1,317 @@
+"""Start a new run from an existing Flux LoRA file, whatever tool wrote it.
+
+`read_seed_lora` reads the key formats Flux LoRAs come in (safetensors only):
+- ours / ComfyUI: `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` / `.alpha`, the
+  same with `.lora_down` / `.lora_up`, and both without the `diffusion_model.` prefix;
+- kohya (sd-scripts): `lora_unet_<module with underscores>.lora_down.weight` / `.lora_up.weight`
+  / `.alpha`;
+- diffusers, ai-toolkit, SimpleTuner: `transformer.<diffusers layer>.lora_A.weight` /
+  `.lora_B.weight`, optionally `.alpha`; OneTrainer / lycoris: the diffusers layer with
+  underscores after `lora_transformer_` / `lycoris_`;
+- peft's `base_model.model.` prefix on Flux names (fal's Kontext trainer) or diffusers names.
+
+A missing alpha means alpha = rank (scale 1), as ComfyUI and diffusers assume, unless the file's
+metadata says otherwise (diffusers' `lora_adapter_metadata`: `transformer.lora_alpha`,
+`transformer.alpha_pattern`, `transformer.use_rslora`; ComfyUI's stock loader ignores it).
+
+diffusers layers that ComfyUI's Flux keeps fused (q, k, v -> `img_attn.qkv`, ...; see
+`flux_lora_names`) become one LoRA on the fused layer, exactly: lora_A stacks the parts' lora_A
+(rank = the sum of the parts' ranks), lora_B places each part's lora_B, times its own
+alpha / rank, in the part's rows and columns (block-diagonal), and alpha = rank, so
+(alpha / rank) * B @ A is the sum of the parts' deltas, each in its row slice; an absent part
+adds zero rows.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .flux_lora_names import Place, diffusers_places, fused_parts
+from .lora_file import LoraModule, load
+
+# (lora_A suffix, lora_B suffix), as the stock loader reads them
+_PAIRS = (
+    (".lora_A.weight", ".lora_B.weight"),
+    (".lora_down.weight", ".lora_up.weight"),
+    (".lora.down.weight", ".lora.up.weight"),
+)
+_FLUX_TOP = ("double_blocks", "single_blocks", "img_in", "txt_in", "time_in", "vector_in", "guidance_in")
+_FLUX_TOP += ("final_layer",)
+_UNDERSCORED = ("lora_unet_", "lora_transformer_", "lycoris_")
+_PEFT = "base_model.model."
+_EXAMPLES = (
+    "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight, "
+    "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight or "
+    "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"
+)
+
+
+@dataclass
+class _Pair:
+    stem: str  # the key without its lora_A/lora_B suffix, as the file names it
+    down: torch.Tensor
+    up: torch.Tensor
+    alpha: float
+    place: Place
+
+
+def read_seed_lora(
+    path: Path,
+    module_names: Sequence[str],
+    rank: int,
+    shapes: Mapping[str, tuple[int, int]] | None = None,
+) -> dict[str, LoraModule]:
+    """The LoRA in the safetensors file `path` as `LoraModule`s (float32) on the Flux modules
+    `module_names` (the model's Linear module names, e.g. `double_blocks.0.img_attn.qkv`), in
+    model order: the run's targets, with the file's weights, ranks and alphas.
+
+    Every LoRA layer of the file must have rank `rank` (the TrainLoRA widget). A fused module
+    built from diffusers parts has rank = the sum of its parts' ranks (3 * rank for a qkv,
+    4 * rank for a single block's linear1 with q, k, v and proj_mlp) and alpha = that rank; the
+    stock loader reads each module's rank from its tensors, so such a file saves and loads as is.
+    `shapes` (module -> (out_features, in_features)), when given, is checked against every module.
+
+    Raises ValueError, naming the file and what to do, when the file is not a readable
+    safetensors file, has no Flux transformer LoRA, names layers this model does not have,
+    holds non-LoRA weights (LoKr, LoHa, DoRA, diffs), or its ranks or shapes do not fit.
+    Keys of other components (text encoders) are ignored."""
+    path = Path(path)
+    state, metadata = _read(path)
+    flux_names = list(module_names)
+    pairs = _pairs(path, state, metadata, flux_names)
+    _check_ranks(path, pairs, rank)
+    modules: dict[str, LoraModule] = {}
+    for target, parts in _by_target(path, pairs).items():
+        if parts[0].place.part is not None:  # diffusers parts of a layer that Flux fuses
+            modules[target] = _fuse(path, target, parts, shapes)
+        else:
+            (pair,) = parts
+            up = _swap_halves(pair.up) if pair.place.swap_halves else pair.up
+            modules[target] = LoraModule(pair.down, up, pair.alpha)
+    for target, module in modules.items():
+        if shapes is not None and target in shapes:
+            _check_shape(path, target, (module.up.shape[0], module.down.shape[1]), shapes[target])
+    order = {name: i for i, name in enumerate(flux_names)}
+    return dict(sorted(modules.items(), key=lambda item: order[item[0]]))
+
+
+def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+    if path.suffix.lower() != ".safetensors":
+        raise ValueError(
+            f"{path}: only .safetensors LoRA files can be a starting point (pickled .ckpt / .pt "
+            "files are not read); convert it to safetensors or choose another file"
+        )
+    try:
+        return load(path)
+    except Exception as error:  # safetensors raises its own error types for damaged files
+        raise ValueError(
+            f"{path} could not be read as a safetensors file ({error}); choose another file"
+        ) from None
+
+
+def _split(key: str) -> tuple[str, str, str] | None:
+    """(stem, which, suffix) for a LoRA factor key (which: "down" or "up"), else None."""
+    for down, up in _PAIRS:
+        for which, suffix in (("down", down), ("up", up)):
+            if key.endswith(suffix):
+                return key[: -len(suffix)], which, suffix
+    return None
+
+
+def _is_transformer_key(key: str) -> bool:
+    if key.startswith(("diffusion_model.", "transformer.", _PEFT, *_UNDERSCORED)):
+        return True
+    return key.split(".", 1)[0] in _FLUX_TOP
+
+
+def _place_of(stem: str, flux: set[str], kohya: dict[str, str], diffusers: dict[str, Place]) -> Place | None:
+    if stem.startswith(_PEFT):  # peft's own prefix, on Flux (fal's Kontext trainer) or diffusers names
+        stem = stem[len(_PEFT) :]
+        return Place(stem) if stem in flux else diffusers.get(stem)
+    if stem.startswith("diffusion_model."):
+        name = stem[len("diffusion_model.") :]
+        return Place(name) if name in flux else None
+    if stem.startswith("transformer."):
+        return diffusers.get(stem[len("transformer.") :])
+    for prefix in _UNDERSCORED:
+        if stem.startswith(prefix):
+            rest = stem[len(prefix) :]
+            if rest in kohya:
+                return Place(kohya[rest])
+            return next((p for name, p in diffusers.items() if name.replace(".", "_") == rest), None)
+    return Place(stem) if stem in flux else None
+
+
+def _pairs(path: Path, state, metadata, flux_names: list[str]) -> list[_Pair]:
+    flux = set(flux_names)
+    kohya = {name.replace(".", "_"): name for name in flux_names}
+    diffusers = diffusers_places(flux_names)
+    peft_alpha = _peft_alphas(path, metadata)
+    pairs, seen = [], []
+    for key in sorted(state):
+        if not _is_transformer_key(key):
+            seen.append(key)
+            continue
+        split = _split(key)
+        if split is None:
+            if key.endswith(".alpha"):
+                continue  # read with its pair below
+            raise ValueError(
+                f"{path}: {key} is not a plain LoRA weight (LoKr, LoHa, DoRA and full-weight diffs "
+                "cannot seed a run); choose a plain LoRA file (lora_A / lora_B or lora_down / lora_up)"
+            )
+        stem, which, suffix = split
+        down_suffix, up_suffix = next(p for p in _PAIRS if suffix in p)
+        if which == "up":
+            if stem + down_suffix not in state:
+                raise ValueError(
+                    f"{path}: {key} has no matching {stem + down_suffix}; the file is incomplete"
+                )
+            continue
+        if stem + up_suffix not in state:
+            raise ValueError(f"{path}: {key} has no matching {stem + up_suffix}; the file is incomplete")
+        place = _place_of(stem, flux, kohya, diffusers)
+        if place is None:
+            raise ValueError(
+                f"{path}: {key} names a layer this Flux model does not have; the LoRA does not fit this "
+                "model (it is for another model family, or for a model with more blocks): choose a LoRA "
+                "trained for this model"
+            )
+        down, up = state[key].float(), state[stem + up_suffix].float()
+        if up.shape[1] != down.shape[0]:
+            raise ValueError(
+                f"{path}: {stem + up_suffix} has {up.shape[1]} columns but {key} has {down.shape[0]} rows; "
+                "the file is damaged"
+            )
+        if f"{stem}.alpha" in state:
+            alpha = float(state[f"{stem}.alpha"])
+        elif stem.startswith("transformer.") and peft_alpha is not None:
+            alpha = peft_alpha(stem[len("transformer.") :], down.shape[0])
+        else:
+            alpha = float(down.shape[0])
+        pairs.append(_Pair(stem, down, up, alpha, place))
+    if not pairs:
+        few = ", ".join(seen[:5]) or "none"
+        raise ValueError(
+            f"{path} has no Flux transformer LoRA weights (keys seen: {few}); choose a Flux LoRA file "
+            f"(keys like {_EXAMPLES})"
+        )
+    return pairs
+
+
+def _peft_alphas(path: Path, metadata: Mapping[str, str]):
+    """alpha(diffusers layer, rank) from diffusers' `lora_adapter_metadata`, or None."""
+    raw = metadata.get("lora_adapter_metadata")
+    if not raw:
+        return None
+    try:
+        config = json.loads(raw)
+    except json.JSONDecodeError:
+        return None
+    config = {
+        key[len("transformer.") :]: value for key, value in config.items() if key.startswith("transformer.")
+    }
+    if config.get("use_dora"):
+        raise ValueError(
+            f"{path} is a DoRA (use_dora in its metadata), which cannot seed a run; choose a plain LoRA"
+        )
+    if "lora_alpha" not in config:
+        return None
+    patterns = config.get("alpha_pattern") or {}
+    rslora = bool(config.get("use_rslora"))
+
+    def alpha(layer: str, rank: int) -> float:
+        # peft matches a pattern against the end of the module name, as a regular expression
+        value = next(
+            (v for p, v in patterns.items() if _matches(p, layer)),
+            config["lora_alpha"],
+        )
+        # rsLoRA scales by alpha / sqrt(rank); as alpha / rank that is alpha * sqrt(rank)
+        return float(value) * math.sqrt(rank) if rslora else float(value)
+
+    return alpha
+
+
+def _matches(pattern: str, layer: str) -> bool:
+    try:
+        return re.fullmatch(rf"(.*\.)?(?:{pattern})", layer) is not None
+    except re.error:
+        return pattern == layer
+
+
+def _check_ranks(path: Path, pairs: list[_Pair], rank: int) -> None:
+    ranks = {}
+    for pair in pairs:
+        ranks.setdefault(pair.down.shape[0], pair.stem)
+    if len(ranks) > 1:
+        (r1, k1), (r2, k2) = list(ranks.items())[:2]
+        raise ValueError(
+            f"{path}: the LoRA file mixes ranks ({k1}: {r1}, {k2}: {r2}); only a LoRA with one rank "
+            "can seed a run"
+        )
+    (file_rank,) = ranks
+    if file_rank != rank:
+        raise ValueError(
+            f"{path}: the LoRA file has rank {file_rank} but rank is set to {rank}; set rank to "
+            f"{file_rank} to start from it"
+        )
+
+
+def _by_target(path: Path, pairs: list[_Pair]) -> dict[str, list[_Pair]]:
+    targets: dict[str, list[_Pair]] = {}
+    for pair in pairs:
+        group = targets.setdefault(pair.place.target, [])
+        clash = next((p for p in group if p.place.part is None or p.place.part == pair.place.part), None)
+        if clash is not None or (group and pair.place.part is None):
+            other = (clash or group[0]).stem
+            raise ValueError(
+                f"{path}: {pair.place.target} is given twice ({other} and {pair.stem}); the file mixes "
+                "formats, keep one of them"
+            )
+        group.append(pair)
+    return targets
+
+
+def _fuse(path: Path, target: str, parts: list[_Pair], shapes) -> LoraModule:
+    """One LoRA on the fused `target` from its diffusers parts (see the module docstring)."""
+    n_parts = len(fused_parts(target))
+    shape = shapes.get(target) if shapes is not None else None
+    hidden = shape[1] if shape is not None else parts[0].down.shape[1]
+    sizes = [hidden] * 3
+    if n_parts == 4:  # linear1: q, k, v, then the MLP input (mlp_ratio 4 in every Flux)
+        mlp = next((p.up.shape[0] for p in parts if p.place.part == 3), 4 * hidden)
+        sizes.append(shape[0] - 3 * hidden if shape is not None else mlp)
+    rows = [sum(sizes[:i]) for i in range(n_parts)]
+    parts = sorted(parts, key=lambda p: p.place.part)
+    for pair in parts:
+        expected = (sizes[pair.place.part], hidden)
+        _check_shape(path, pair.stem, (pair.up.shape[0], pair.down.shape[1]), expected, f"slice of {target}")
+    rank = sum(p.down.shape[0] for p in parts)
+    up = torch.zeros(sum(sizes), rank)
+    column = 0
+    for pair in parts:
+        r, row = pair.down.shape[0], rows[pair.place.part]
+        up[row : row + pair.up.shape[0], column : column + r] = (pair.alpha / r) * pair.up
+        column += r
+    return LoraModule(torch.cat([p.down for p in parts]), up, float(rank))
+
+
+def _check_shape(path: Path, name: str, got, expected, what: str = "layer") -> None:
+    if tuple(got) != tuple(expected):
+        raise ValueError(
+            f"{path}: {name} is a {got[0]}x{got[1]} LoRA but the model's {what} is "
+            f"{expected[0]}x{expected[1]} (out x in); the LoRA does not fit this model: choose one "
+            "trained for it"
+        )
+
+
+def _swap_halves(up: torch.Tensor) -> torch.Tensor:
+    first, second = up.chunk(2, dim=0)
+    return torch.cat([second, first])
