@@ -237,7 +237,7 @@ DIFFUSERS_ATTENTION_MLP = (
 
 
 def load_diffusers_flux(path) -> torch.nn.Module:
-    """The demo checkpoint (ComfyUI / BFL layout) as diffusers' FluxTransformer2DModel, fp32."""
+    """The demo checkpoint (ComfyUI / BFL key names) as diffusers' FluxTransformer2DModel, fp32."""
     from diffusers import FluxTransformer2DModel
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
     from safetensors.torch import load_file

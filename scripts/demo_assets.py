@@ -4,7 +4,7 @@ Writes, once, into a cache folder outside git:
   diffusion_models/kontext-trainer-demo-flux.safetensors  Flux, hidden 3072, 1 double + 1 single
       block, text/pooled inputs 768 so the CLIP-L below drives it (the stock UNETLoader needs
       hidden 3072: its detection hard-codes 24 heads and axes [16, 56, 56]).
-  vae/kontext-trainer-demo-ae.safetensors                 the Flux VAE in BFL's `ae` layout.
+  vae/kontext-trainer-demo-ae.safetensors                 the Flux VAE with BFL's `ae` key names.
   text_encoders/kontext-trainer-demo-clip-l.safetensors   a CLIP-L text encoder.
 Then links them into a ComfyUI models/ folder. Run inside a ComfyUI environment
 (ComfyUI's root on sys.path): the weights are shaped by ComfyUI's own classes.
@@ -47,7 +47,7 @@ DEMO_FLUX_CONFIG = {
     "guidance_embed": True,
 }
 
-# The Flux VAE (ae.safetensors) topology, as ComfyUI's VAE class builds it for that layout.
+# The Flux VAE (ae.safetensors) topology, as ComfyUI's VAE class builds it for those key names.
 FLUX_AE_DDCONFIG = {
     "double_z": True,
     "z_channels": 16,
@@ -110,7 +110,7 @@ def clip_l_state_dict(seed: int = 3) -> dict[str, torch.Tensor]:
 
     model = comfy.sd1_clip.SDClipModel(device="cpu", dtype=torch.float16)
     state = seeded_state(model, seed, torch.float16)
-    # clip_l.safetensors layout: no "transformer." wrapper prefix, no logit_scale.
+    # clip_l.safetensors key names: no "transformer." wrapper prefix, no logit_scale.
     return {k.removeprefix("transformer."): v for k, v in state.items() if k != "logit_scale"}
 
 

@@ -1,5 +1,5 @@
 """A small synthetic Kontext edit dataset for the demo: coloured shapes (the references) and
-the same shapes recoloured blue (the targets), with captions, in the one-folder layout; plus
+the same shapes recoloured blue (the targets), with captions, in the one-folder structure; plus
 one unseen reference image beside it in ComfyUI's input folder (`kontext_demo_reference.png`,
 a red circle) that the example workflows' previews and the inference example load.
 

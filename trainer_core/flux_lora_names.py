@@ -1,4 +1,4 @@
-"""Where a diffusers-named Flux LoRA layer lands in ComfyUI's Flux (BFL layout).
+"""Where a diffusers-named Flux LoRA layer lands in ComfyUI's Flux (BFL key names).
 
 diffusers (and ai-toolkit, SimpleTuner, OneTrainer, which save in its names) splits layers that
 ComfyUI's Flux keeps fused: a double block's `attn.to_q/to_k/to_v` are row slices of

@@ -39,7 +39,7 @@ def test_unet_loader_reads_the_demo_flux(comfy_runtime, stock_assets, caplog):
     assert torch.equal(loaded.to(on_disk.dtype), on_disk)
 
 
-def test_vae_loader_reads_the_ae_layout(comfy_runtime, stock_assets, caplog):
+def test_vae_loader_reads_the_ae_key_names(comfy_runtime, stock_assets, caplog):
     caplog.set_level(logging.WARNING)
     (vae,) = run_node("VAELoader", {"vae_name": stock_assets["vae"].name}).outputs
     _no_missing_keys(caplog)

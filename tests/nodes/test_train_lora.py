@@ -173,7 +173,7 @@ def test_resume_continues_with_identical_losses(mods, dataset):
         train(mods, dataset, "kt_resume_c", resume=checkpoint, steps=6, optimizer="adafactor", seed=5)
 
 
-def test_checkpoints_of_the_old_layout_still_resume(mods, dataset):
+def test_checkpoints_of_the_old_folders_still_resume(mods, dataset):
     """Before 0.2, checkpoints lived in models/loras/<name>_checkpoints/ (where they filled the
     LoRA lists): they are still offered, and resume exactly."""
     import shutil
