@@ -9,7 +9,9 @@
    UNETLoader / VAELoader / CLIPLoader -> LoadKontextDataset -> TrainLoRA, with PreviewSampler
    previews of the unseen reference `input/kontext_demo_reference.png`) with `overwrite` on,
    and prints the dataset report and the live progress the websocket carries;
-4. prints where the LoRA landed in models/loras and the loss at the start and the end;
+4. prints where the LoRA landed in models/loras, the loss at the start and the end, and the
+   held-out validation loss (one of the eight samples is held out) at each point it was
+   computed;
 5. queues `example_workflows/api/kontext_lora_inference.json` as shipped (it loads that LoRA
    and that reference) and prints where the edited image landed in output/.
 
@@ -43,6 +45,8 @@ def describe(event: dict) -> str:
     parts = [f"{event['status']:9s} step {event['step']:3d}/{event['total']}"]
     if event.get("loss") is not None:
         parts.append(f"loss {event['loss']:.4f} (smoothed {event['smoothed_loss']:.4f})")
+    if event.get("validation_loss") is not None:
+        parts.append(f"validation {event['validation_loss']:.4f} (step {event['validation_step']})")
     if event.get("seconds_per_step"):
         parts.append(f"{event['seconds_per_step']:.1f} s/step, ETA {eta:.0f} s")
     return "  ".join(parts)
@@ -121,6 +125,10 @@ def train(server: ComfyServer, base) -> str | None:
         say(f"replaced the previous demo LoRA {lora} (overwrite is on in the demo)")
     say(f"LoRA saved: {lora}")
     say(f"loss at the start {losses[0]:.4f}, at the end {losses[-1]:.4f} ({len(losses)} steps)")
+    points = zip(result.get("validation_step", []), result.get("validation_loss", []), strict=True)
+    curve = ", ".join(f"step {step}: {loss:.4f}" for step, loss in points)
+    if curve:
+        say(f"held-out validation loss (fixed noise levels and noise): {curve}")
     return lora_name
 
 
