@@ -26,7 +26,9 @@ def loras(server):
 def run_failing(server, graph) -> str:
     prompt_id, messages = server.run_prompt(graph)
     # ComfyUI's /history would serve a NaN input as bare `NaN`, which the frontend of the
-    # browser tests sharing this server cannot parse: drop the refused prompt from it
+    # browser tests sharing this server cannot parse: drop the refused prompt from it, once
+    # ComfyUI has written it there (just after the error message: deleting earlier is a no-op)
+    server.history(prompt_id)
     server.post_json("/history", {"delete": [prompt_id]})
     return error_of(messages).strip()  # ComfyUI adds a line break
 
