@@ -143,19 +143,6 @@ class FluxLoraSession:
         )
 
 
-def initial_lora_from_file(path, model) -> dict[str, LoraModule]:
-    """The LoRA modules of a safetensors file, to continue training from (any key format the
-    stock loader reads for Flux: ours, lora_down/lora_up, kohya)."""
-    state, _ = lora_file.load(path)
-    modules = lora_file.from_state_dict(state, linear_names(model.model.diffusion_model))
-    if not modules:
-        raise ValueError(
-            f"{path}: no Flux transformer LoRA weights found (expected keys like "
-            "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight)"
-        )
-    return modules
-
-
 def comfy_keeps_placement(module: torch.nn.Module) -> bool:
     """True for a layer ComfyUI's partial ("lowvram") load left on the offload device and casts
     per use (`ModelPatcher.load` marks it with `prev_comfy_cast_weights`): block swap leaves

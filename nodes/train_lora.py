@@ -18,6 +18,7 @@ from comfy_api.latest import io
 
 from ..trainer_core.checkpoint import all_checkpoints, read_state
 from ..trainer_core.config import TrainConfig
+from ..trainer_core.job import MANAGER, Progress, wait_for
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
@@ -26,7 +27,6 @@ from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
-from .training_job import MANAGER, Progress, wait_for
 from .training_run import Run, run_training
 
 NO_RESUME = "none"

@@ -25,16 +25,17 @@ from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folde
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.flow_step import Sample
+from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.resume import run_record, schedule_note
 from ..trainer_core.rng import RandomState
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials
+from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import FluxLoraSession, flux_lora_session, linear_names
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
-from .training_job import ProgressTracker, TrainingJob
 
 LOGGER = logging.getLogger("kontext_trainer")
 PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in the temp folder)
@@ -87,8 +88,6 @@ def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estima
 def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
     """The modules of a LoRA file a new run starts from (`start_from_lora`), checked against
     this model's layers and the rank widget."""
-    from ..trainer_core.lora_file import read_seed_lora
-
     flux = model.model.diffusion_model
     names = linear_names(flux)
     modules = dict(flux.named_modules())
@@ -228,7 +227,7 @@ def run_training(
     initial = (
         resume.lora if resume else (seed_lora(run.start_from, model, config) if run.start_from else None)
     )
-    if resume is not None and (note := schedule_note({"config": resume.config, "step": resume.step}, config)):
+    if resume is not None and (note := schedule_note(resume.config, resume.step, config)):
         LOGGER.info("TrainLoRA %s: %s", paths.stem, note)
     # 2) what it reports and writes
     samples = SampleCache(dataset, model)

@@ -123,16 +123,3 @@ def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Tensors and metadata of a safetensors file (never a pickle)."""
     with safe_open(str(path), framework="pt") as handle:
         return {key: handle.get_tensor(key) for key in handle.keys()}, dict(handle.metadata() or {})
-
-
-def read_seed_lora(
-    path: Path,
-    module_names: Sequence[str],
-    rank: int,
-    shapes: Mapping[str, tuple[int, int]] | None = None,
-) -> dict[str, LoraModule]:
-    """An existing LoRA file (ours, ComfyUI, kohya, diffusers / ai-toolkit / SimpleTuner names)
-    as the modules a new run starts from; see `seed_lora.read_seed_lora`."""
-    from .seed_lora import read_seed_lora as read  # seed_lora builds on this module
-
-    return read(path, module_names, rank, shapes)

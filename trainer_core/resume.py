@@ -57,14 +57,14 @@ def check_resume(state: dict, config: TrainConfig, dataset_hash: str) -> None:
         )
 
 
-def schedule_note(state: dict, config: TrainConfig) -> str:
-    """What a resume with another `steps` does to a decaying schedule ('' when nothing
-    changes): the rate follows the schedule of a run of the new length from the checkpoint's
-    step on."""
-    saved_steps = state["config"].get("steps")
+def schedule_note(saved_config: dict, step: int, config: TrainConfig) -> str:
+    """What a resume from `step` of a run with `saved_config` does to a decaying schedule when
+    `steps` changed ('' when nothing changes): the rate follows the schedule of a run of the
+    new length from that step on."""
+    saved_steps = saved_config.get("steps")
     if config.schedule == "constant" or saved_steps in (None, config.steps):
         return ""
     return (
         f"steps changed from {saved_steps} to {config.steps}: the {config.schedule} schedule continues as "
-        f"that of a {config.steps}-step run from step {int(state['step'])}"
+        f"that of a {config.steps}-step run from step {step}"
     )

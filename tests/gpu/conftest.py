@@ -79,7 +79,7 @@ def mods(pack_import):
     names = {
         "ft": "nodes.flux_training",
         "node": "nodes.train_lora",
-        "job": "nodes.training_job",
+        "job": "trainer_core.job",
         "run": "nodes.training_run",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",

@@ -21,6 +21,11 @@ def ft(pack):
 
 
 @pytest.fixture(scope="module")
+def run(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.training_run")
+
+
+@pytest.fixture(scope="module")
 def core(pack):
     name = f"{pack.__name__}.trainer_core"
     return type(
@@ -127,7 +132,7 @@ def test_shared_model_is_bit_identical_after_training(ft, core, comfy_runtime, w
         assert torch.equal(tensor, loaded_state[key]), key
 
 
-def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, core, comfy_runtime):
+def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, run, core, comfy_runtime):
     import folder_paths
 
     config = ft.TrainConfig(steps=4, rank=4, alpha=2.0, learning_rate=2e-2, targets="attention_mlp")
@@ -151,8 +156,8 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, core, comf
     assert metadata["kontext_trainer.dataset_hash"] == "cafe"
 
     # The same file seeds a new run: same weights, same outputs as the stock-loaded model.
-    initial = ft.initial_lora_from_file(path, model)
-    resumed_config = dataclasses.replace(config, rank=8, targets="attention")  # the file wins
+    resumed_config = dataclasses.replace(config, targets="attention")  # the file's layers win
+    initial = run.seed_lora(path, model, resumed_config)
     with ft.flux_lora_session(model, resumed_config, initial=initial) as session:
         exported = session.lora.modules()
         assert set(exported) == set(initial)
@@ -163,11 +168,11 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, core, comf
         ).abs().max() <= 1e-5
 
 
-def test_initial_lora_file_without_flux_keys_is_refused(ft, core, tmp_path):
+def test_initial_lora_file_without_flux_keys_is_refused(ft, run, core, tmp_path):
     path = tmp_path / "text_encoder_only.safetensors"
     core.lora_file.save_atomic({"lora_te_text_model.lora_down.weight": torch.zeros(2, 4)}, path)
-    with pytest.raises(ValueError, match=r"text_encoder_only\.safetensors: no Flux transformer LoRA"):
-        ft.initial_lora_from_file(path, tiny_flux_patcher(seed=0))
+    with pytest.raises(ValueError, match=r"text_encoder_only\.safetensors has no Flux transformer LoRA"):
+        run.seed_lora(path, tiny_flux_patcher(seed=0), ft.TrainConfig())
 
 
 def test_held_out_loss_halves_and_the_reference_is_used(ft, core):

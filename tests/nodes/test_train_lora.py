@@ -30,7 +30,7 @@ def mods(pack_import):
     names = {
         "node": "nodes.train_lora",
         "data": "nodes.load_kontext_dataset",
-        "job": "nodes.training_job",
+        "job": "trainer_core.job",
         "events": "nodes.progress_events",
         "checkpoint": "trainer_core.checkpoint",
         "config": "trainer_core.config",

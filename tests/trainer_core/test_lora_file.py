@@ -89,16 +89,3 @@ def test_half_a_pair_is_an_error():
     state = {"diffusion_model.single_blocks.0.linear2.lora_A.weight": torch.zeros(2, 4)}
     with pytest.raises(ValueError, match=r"no diffusion_model\.single_blocks\.0\.linear2\.lora_B\.weight"):
         from_state_dict(state)
-
-
-def test_read_seed_lora_is_reachable_from_lora_file(tmp_path):
-    from trainer_core.lora_file import read_seed_lora
-
-    down, up = torch.ones(2, 4), torch.full((6, 2), 0.5)
-    state = {
-        "lora_unet_single_blocks_0_linear2.lora_down.weight": down,
-        "lora_unet_single_blocks_0_linear2.lora_up.weight": up,
-    }
-    path = save_atomic(state, tmp_path / "kohya.safetensors")
-    (module,) = read_seed_lora(path, ["single_blocks.0.linear1", "single_blocks.0.linear2"], 2).values()
-    assert torch.equal(module.down, down) and torch.equal(module.up, up) and module.alpha == 2.0

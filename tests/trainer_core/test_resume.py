@@ -67,9 +67,11 @@ def test_continuing_a_finished_run_with_more_steps_follows_the_longer_schedule()
 
     done = train(first, [weight], lambda i: 1.0, loss_fn)
     longer = dataclasses.replace(first, steps=8)
-    assert "continues as that of a 8-step run from step 4" in schedule_note(state_of(first, 4), longer)
-    assert schedule_note(state_of(first, 4), first) == ""
-    assert schedule_note(state_of(first, 4), dataclasses.replace(longer, schedule="constant")) == ""
+    assert "continues as that of a 8-step run from step 4" in schedule_note(
+        run_record(first, "d1"), 4, longer
+    )
+    assert schedule_note(run_record(first, "d1"), 4, first) == ""
+    assert schedule_note(run_record(first, "d1"), 4, dataclasses.replace(longer, schedule="constant")) == ""
     rates = []
     resume = ResumeState(4, done.losses, done.optimizer.state_dict(), done.generator.get_state())
     train(longer, [weight], lambda i: 1.0, loss_fn, lambda info: rates.append(info.learning_rate), resume)
