@@ -31,6 +31,7 @@ an attention mask (`reference_ids.forward_token_batch`).
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,6 +45,7 @@ from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
 from ..trainer_core.lora_adapters import AttachedLora, attach_lora
 from ..trainer_core.lora_file import LoraModule
+from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .comfy_loading import held_for_training
@@ -129,12 +131,11 @@ class FluxLoraSession:
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
-    def save(
-        self, path, steps: int, resolution: int, base_model: str = "flux1", dataset_hash: str = ""
-    ) -> Path:
-        """Write the current LoRA (stock-loader keys, metadata) atomically to `path`."""
-        metadata = self.config.file_metadata(steps, resolution, base_model, dataset_hash)
-        return lora_file.save_atomic(lora_file.to_state_dict(self.lora.modules()), path, metadata)
+    def save(self, path, metadata: dict[str, str]) -> Path:
+        """Write the current LoRA (kohya keys in the config's save_precision, `metadata` plus the
+        hashes and finish time) atomically to `path`."""
+        dtype = lora_file.precision_dtype(self.config.save_precision)
+        return write_lora(Path(path), self.lora.modules(), metadata, dtype, time.time())
 
     def loss(self, samples, generator: torch.Generator) -> torch.Tensor:
         """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`)."""

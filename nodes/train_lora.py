@@ -17,12 +17,12 @@ import torch
 from comfy_api.latest import io
 
 from ..trainer_core.checkpoint import all_checkpoints, read_state
-from ..trainer_core.config import TrainConfig
+from ..trainer_core.config import AFTER_OVERWRITE, AFTER_START_FROM, ORIGINAL, TrainConfig
 from ..trainer_core.job import MANAGER, Progress, wait_for
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
-from ..trainer_core.run_files import LoraPaths
+from ..trainer_core.run_files import LoraPaths, snapshot_steps
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
@@ -45,7 +45,7 @@ def config_widget(config_field: dataclasses.Field):
     meta, default = config_field.metadata, config_field.default
     name, tooltip = config_field.name, meta["tooltip"]
     # added later: optional, so API prompts written before they existed still run (on defaults)
-    common = {"default": default, "tooltip": tooltip, "optional": meta["appended"]}
+    common = {"default": default, "tooltip": tooltip, "optional": meta["appended"] != ORIGINAL}
     if "options" in meta:
         widget = io.Combo.Input(name, options=list(meta["options"]), **common)
     elif isinstance(default, bool):
@@ -59,8 +59,9 @@ def config_widget(config_field: dataclasses.Field):
     return widget
 
 
-def config_widgets(appended: bool) -> list:
-    """TrainConfig's widgets, the original ones or those added after `overwrite`."""
+def config_widgets(appended: int) -> list:
+    """TrainConfig's widgets added at one time (`config.ORIGINAL`, `AFTER_OVERWRITE`,
+    `AFTER_START_FROM`)."""
     return [config_widget(f) for f in dataclasses.fields(TrainConfig) if f.metadata["appended"] == appended]
 
 
@@ -169,10 +170,18 @@ def _stem_or_none(name: str) -> str | None:
         return None
 
 
-def check_existing(paths: LoraPaths, overwrite: bool) -> bool:
+def check_existing(paths: LoraPaths, overwrite: bool, resuming: bool = False) -> bool:
     """The overwrite policy: an existing LoRA is only replaced when `overwrite` is on (and then
-    only once the new file is complete). Returns whether one will be replaced."""
+    only once the new file is complete); per-step snapshots an earlier run of the name left
+    (a cancelled one leaves no LoRA) likewise, unless this run resumes one (its snapshots go
+    on). Returns whether a LoRA will be replaced."""
     if not paths.lora.exists():
+        if snapshot_steps(paths) and not overwrite and not resuming:
+            raise ValueError(
+                f"lora_name: {paths.snapshots} holds the per-step snapshots of an earlier run of this "
+                "name. Choose another lora_name, resume that run (resume_from), or turn on overwrite "
+                "to replace them"
+            )
         return False
     if not overwrite:
         raise ValueError(
@@ -248,7 +257,7 @@ class TrainLoRA(io.ComfyNode):
                     tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...); "
                     "it is read, never changed: the continued run writes its own checkpoints.",
                 ),
-                *config_widgets(appended=False),
+                *config_widgets(ORIGINAL),
                 # from here on, widgets added later: after the older ones, so workflows saved
                 # before they existed keep their widget values in place
                 io.Boolean.Input(
@@ -257,7 +266,7 @@ class TrainLoRA(io.ComfyNode):
                     tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
                     "(pick another name), on replaces it once the new LoRA is saved.",
                 ),
-                *config_widgets(appended=True),
+                *config_widgets(AFTER_OVERWRITE),
                 io.Combo.Input(
                     "start_from_lora",
                     options=start_choices(),
@@ -267,6 +276,7 @@ class TrainLoRA(io.ComfyNode):
                     "files): its layers are trained, with its rank and alpha (rank must match). Unlike "
                     "resume_from, the optimizer, schedule and data order start fresh.",
                 ),
+                *config_widgets(AFTER_START_FROM),
                 Preview.Input(
                     "preview",
                     optional=True,
@@ -316,8 +326,8 @@ class TrainLoRA(io.ComfyNode):
         node = str(cls.hidden.unique_id)
         check_name_unique_in_prompt(cls.hidden.prompt, node, paths.stem)
         config = TrainConfig(**settings)
-        replaces = check_existing(paths, overwrite)
         resume_path = resolve_resume(resume_from)
+        replaces = check_existing(paths, overwrite, resuming=resume_path is not None)
         if resume_path is not None:  # only its state.json here: tensors load in the training thread
             check_resume(read_state(resume_path), config, dataset.content_hash)
         start_path = resolve_start(start_from_lora) if resume_path is None else None

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,9 +30,10 @@ from ..trainer_core.flow_step import Sample
 from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
 from ..trainer_core.lora_file import LoraModule
+from ..trainer_core.lora_metadata import RunFacts, training_metadata
 from ..trainer_core.resume import run_record, schedule_note
 from ..trainer_core.rng import RandomState
-from ..trainer_core.run_files import LoraPaths, remove_stale_partials
+from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_steps
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
@@ -115,15 +118,23 @@ class CheckpointWriter:
     """This run's checkpoints: a folder of its own (made at the first save, so a run that
     fails early leaves none), at most one per step, the newest `keep_last` kept."""
 
-    def __init__(self, paths: LoraPaths, config: TrainConfig, record: dict, metadata: dict, tracker):
-        self.paths, self.config, self.record, self.metadata = paths, config, record, metadata
-        self.tracker = tracker
+    def __init__(
+        self, paths: LoraPaths, config: TrainConfig, record: dict, facts: RunFacts, tracker, resuming: bool
+    ):
+        self.paths, self.config, self.record, self.facts = paths, config, record, facts
+        self.tracker, self.resuming = tracker, resuming
         self.folder: Path | None = None
         self.saved: dict[int, Path] = {}
+        self.snapshots: list[Path] = []  # this run's, oldest first
 
-    def save(self, session: FluxLoraSession, step: int, result: TrainResult) -> Path:
+    def save(self, session: FluxLoraSession, step: int, result: TrainResult, snapshot: bool = False) -> Path:
+        """The checkpoint at `step`; with `snapshot` (the `save_every` steps) also the LoRA at
+        that step in models/loras/<name>_steps/, in the save precision."""
         if step in self.saved:  # e.g. Cancel right after a save_every checkpoint
             return self.saved[step]
+        if snapshot:
+            with self.tracker.timed("checkpoint"):
+                self.save_snapshot(session, step)
         if self.folder is None:  # a new folder per run: a resume never touches the run it came from
             self.folder = new_run_folder(self.paths.checkpoints)
         with self.tracker.timed("checkpoint"):
@@ -135,12 +146,27 @@ class CheckpointWriter:
                 RandomState.capture(result.generator).to_tensors(),
                 result.losses,
                 self.record,
-                {**self.metadata, "ss_steps": str(step)},
+                training_metadata(self.config, self.facts, step),
                 validation=result.validation,
             )
             prune(self.folder, self.config.keep_last)
         self.saved[step] = path
         return path
+
+    def save_snapshot(self, session: FluxLoraSession, step: int) -> None:
+        """The LoRA at `step` in models/loras/<name>_steps/. A new run's first one clears what an
+        earlier run of the name left there (TrainLoRA allowed it: overwrite on), so runs never
+        mix; a resumed run continues its run's snapshots. Only this run's are pruned."""
+        if not self.snapshots and not self.resuming:
+            for earlier in snapshot_steps(self.paths).values():
+                earlier.unlink(missing_ok=True)
+        self.paths.snapshots.mkdir(parents=True, exist_ok=True)
+        path = session.save(self.paths.snapshot(step), training_metadata(self.config, self.facts, step))
+        self.snapshots.append(path)
+        if self.config.keep_last > 0:
+            for old in self.snapshots[: -self.config.keep_last]:
+                old.unlink(missing_ok=True)
+            del self.snapshots[: -self.config.keep_last]
 
 
 class PreviewRounds:
@@ -237,12 +263,19 @@ def run_training(
     record = run_record(config, dataset.content_hash)
     if resume is not None:
         record["resumed_from"] = str(resume.path)
-    metadata = config.file_metadata(
-        config.steps, dataset.settings.resolution, base_model_name(dataset), dataset.content_hash
-    )
-    checkpoints = CheckpointWriter(paths, config, record, metadata, tracker)
-    previews = PreviewRounds(preview, run, job, tracker) if preview is not None else None
     order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
+    facts = RunFacts(
+        output_name=paths.stem,
+        base_model=base_model_name(dataset),
+        resolution=dataset.settings.resolution,
+        train_images=len(dataset.entries),
+        batches_per_epoch=order.per_epoch,
+        dataset_hash=dataset.content_hash,
+        started_at=time.time(),
+        session_id=secrets.randbits(31),
+    )
+    checkpoints = CheckpointWriter(paths, config, record, facts, tracker, resuming=resume is not None)
+    previews = PreviewRounds(preview, run, job, tracker) if preview is not None else None
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     # what ComfyUI's loader must leave room for beside the weights
     working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
@@ -283,7 +316,7 @@ def run_training(
                 session.loss,
                 on_step,
                 resume_state,
-                on_checkpoint=lambda step, result: checkpoints.save(session, step, result),
+                on_checkpoint=lambda step, result: checkpoints.save(session, step, result, snapshot=True),
                 stop_on=(interrupted,),
                 validate=validate if held_out else None,
             )
@@ -306,13 +339,7 @@ def run_training(
 
         # 5) a finished one with a checkpoint (to continue with more steps), the LoRA, previews
         checkpoints.save(session, config.steps, result)
-        saved = session.save(
-            paths.lora,
-            config.steps,
-            dataset.settings.resolution,
-            base_model_name(dataset),
-            dataset.content_hash,
-        )
+        saved = session.save(paths.lora, training_metadata(config, facts, config.steps))
         lora_state = _read_back(saved)
         if previews is not None:  # after the LoRA is safe: a Cancel here only skips this round
             try:

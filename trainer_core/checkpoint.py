@@ -1,7 +1,8 @@
 """Training checkpoints: everything an exact resume needs, as safetensors and json only.
 
 A checkpoint is a folder `step_000120/` holding
-  lora.safetensors       the LoRA at that step (stock-loader keys: loadable on its own)
+  lora.safetensors       the LoRA at that step in float32 (kohya keys and metadata: loadable on
+                         its own, and exact for the resume)
   optimizer.safetensors  the optimizer's tensor state, flattened to `state.<param>.<name>`
   rng.safetensors        torch's global RNG (CPU, and CUDA if present) and the objective's generator
   state.json             step, losses, held-out validation losses, the config, optimizer param
@@ -25,7 +26,8 @@ from pathlib import Path
 import torch
 
 from .atomic import fsync_file, new_temp_folder
-from .lora_file import LoraModule, from_state_dict, load, save_atomic, to_state_dict
+from .lora_file import LoraModule, from_state_dict, load, save_atomic
+from .lora_metadata import write_lora
 
 STEP_FOLDER = re.compile(r"^step_(\d{6,})$")
 
@@ -85,7 +87,7 @@ def save_checkpoint(
     staging = new_temp_folder(final)
     try:
         optimizer_tensors, optimizer_extra = _flatten_optimizer(optimizer.state_dict())
-        save_atomic(to_state_dict(lora), staging / "lora.safetensors", lora_metadata)
+        write_lora(staging / "lora.safetensors", lora, lora_metadata or {}, torch.float32, time.time())
         save_atomic(optimizer_tensors, staging / "optimizer.safetensors")
         save_atomic({k: v.contiguous().cpu() for k, v in rng.items()}, staging / "rng.safetensors")
         state = {

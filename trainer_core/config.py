@@ -3,11 +3,10 @@ widget (`dataclasses.fields(TrainConfig)[i].metadata`): the node is built from t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 
-from . import __version__
 from .limits import check_number
-from .lora_file import kohya_metadata
+from .lora_file import SAVE_PRECISIONS, precision_dtype
 from .lora_targets import TARGET_PRESETS, check_preset
 from .objective import SAMPLERS, WEIGHTINGS, SigmaSampler
 from .position_ids import LAYOUTS, check_layout
@@ -17,13 +16,22 @@ OPTIMIZERS = ("adamw", "adafactor")
 FP8_MODES = ("as_loaded", "fp8_scaled")
 TARGET_PRESET_NAMES = tuple(TARGET_PRESETS)
 LAYOUT_NAMES = tuple(LAYOUTS)
+SAVE_PRECISION_NAMES = tuple(SAVE_PRECISIONS)
 
 
-def knob(default, tooltip: str, advanced: bool = False, appended: bool = False, **limits):
+# `knob(appended=...)`: when the widget was added. The frontend stores widget values by
+# position, so a widget added later goes after every older one and workflows saved before keep
+# their values in place.
+ORIGINAL = 0  # the first release's widgets (up to `overwrite`)
+AFTER_OVERWRITE = 1  # added after `overwrite` (before the node's `start_from_lora`)
+AFTER_START_FROM = 2  # added after `start_from_lora`
+
+
+def knob(default, tooltip: str, advanced: bool = False, appended: int = ORIGINAL, **limits):
     """A config field with the tooltip and limits its TrainLoRA widget shows. `advanced`:
-    hidden until the node's "Show Advanced" (right-click menu) is on. `appended`: a widget added
-    after `overwrite` existed, so it is placed after it (the frontend stores widget values by
-    position: workflows saved before keep their values in place)."""
+    hidden until the node's "Show Advanced" (right-click menu) is on. `appended`: when the
+    widget was added (`ORIGINAL`, `AFTER_OVERWRITE`, `AFTER_START_FROM`); later ones are
+    optional inputs, so API prompts written before them still run on their defaults."""
     return field(
         default=default, metadata={"tooltip": tooltip, "advanced": advanced, "appended": appended, **limits}
     )
@@ -161,7 +169,7 @@ class TrainConfig:
         "fixed noise levels and noise: its own curve on the chart. 0: only at the end.",
         min=0,
         max=1_000_000,
-        appended=True,
+        appended=AFTER_OVERWRITE,
     )
     reference_dropout: float = knob(
         0.0,
@@ -170,7 +178,7 @@ class TrainConfig:
         max=1.0,
         step=0.01,
         advanced=True,
-        appended=True,
+        appended=AFTER_OVERWRITE,
     )
     lr_floor: float = knob(
         0.0,
@@ -179,7 +187,15 @@ class TrainConfig:
         max=1.0,
         step=0.01,
         advanced=True,
-        appended=True,
+        appended=AFTER_OVERWRITE,
+    )
+    save_precision: str = knob(
+        "bf16",
+        "The dtype of the LoRA file and of the per-step snapshots: bf16 (half the size of fp32, as "
+        "every peer saves), fp16 or fp32. Checkpoints always keep full precision for an exact resume.",
+        options=SAVE_PRECISION_NAMES,
+        advanced=True,
+        appended=AFTER_START_FROM,
     )
 
     def __post_init__(self):
@@ -207,31 +223,10 @@ class TrainConfig:
             )
         check_preset(self.targets)
         check_layout(self.layout)
+        precision_dtype(self.save_precision)
         self.sigma_sampler()
 
     def sigma_sampler(self) -> SigmaSampler:
         return SigmaSampler(
             self.timestep_sampler, self.logit_mean, self.logit_std, self.sigmoid_scale, self.shift
         )
-
-    def file_metadata(
-        self, steps: int, resolution: int, base_model: str, dataset_hash: str = ""
-    ) -> dict[str, str]:
-        """The LoRA file's metadata: kohya's `ss_*` fields plus ours (`kontext_trainer.*`):
-        layout, targets, sampler, trainer version, dataset hash and the whole config."""
-        sampler = {"kind": self.timestep_sampler, "weighting": self.loss_weighting}
-        if self.timestep_sampler == "logit_normal":
-            sampler.update(mean=self.logit_mean, std=self.logit_std)
-        elif self.timestep_sampler != "uniform":
-            sampler["sigmoid_scale"] = self.sigmoid_scale
-        if self.timestep_sampler == "shift":
-            sampler["shift"] = self.shift
-        extra = {
-            "layout": self.layout,
-            "targets": self.targets,
-            "sampler": sampler,
-            "trainer_version": __version__,
-            "dataset_hash": dataset_hash,
-            "config": asdict(self),
-        }
-        return kohya_metadata(self.rank, self.alpha, base_model, steps, resolution, extra)

@@ -87,3 +87,31 @@ def fused_parts(target: str) -> tuple[str, ...]:
     if not re.match(r"(double|single)_blocks\.\d+\.", target):
         return ()
     return FUSED_PARTS.get(target.split(".", 2)[2], ())
+
+
+# Every Linear layer name inside a Flux.1 block, and outside the blocks
+_BLOCK_LAYERS = (*_DOUBLE, *_DOUBLE_FUSED, *_SINGLE, *_SINGLE_FUSED)
+KOHYA_PREFIX = "lora_unet_"
+_KOHYA_BLOCK = re.compile(r"(double_blocks|single_blocks)_(\d+)_(.+)")
+_KOHYA_LAYERS = {layer.replace(".", "_"): layer for layer in _BLOCK_LAYERS}
+_KOHYA_TOP = {layer.replace(".", "_"): layer for layer in _TOP}
+
+
+def kohya_name(flux_name: str) -> str:
+    """kohya's (sd-scripts `networks/lora_flux.py`) name for a Flux layer: `lora_unet_` and the
+    module path with `_` for `.` (`double_blocks.0.img_attn.qkv` ->
+    `lora_unet_double_blocks_0_img_attn_qkv`). ComfyUI, diffusers and Forge read it."""
+    return KOHYA_PREFIX + flux_name.replace(".", "_")
+
+
+def flux_name_from_kohya(stem: str) -> str | None:
+    """The Flux layer a kohya name stands for (the inverse of `kohya_name` on Flux.1's Linear
+    layers), or None for a name that is not one of them (e.g. a text encoder's `lora_te1_*`)."""
+    if not stem.startswith(KOHYA_PREFIX):
+        return None
+    rest = stem[len(KOHYA_PREFIX) :]
+    match = _KOHYA_BLOCK.fullmatch(rest)
+    if match is not None:
+        kind, index, layer = match.groups()
+        return f"{kind}.{index}.{_KOHYA_LAYERS[layer]}" if layer in _KOHYA_LAYERS else None
+    return _KOHYA_TOP.get(rest)

@@ -132,6 +132,10 @@ class TrainingJob:
         except BaseException as error:  # re-raised in the waiting thread by wait_for
             self.error = error
             self.report(status="error", message=str(error))
+        finally:
+            # The target's closure holds the run's MODEL and dataset; the finished job stays
+            # the manager's `current` until the next run, and must not keep them in memory.
+            self._target = None
 
     def report(self, progress: Progress | None = None, **fields) -> None:
         """Replace the current progress (`progress`, else the current one, with `fields`).
@@ -221,6 +225,9 @@ def wait_for(
                 on_poll(job.snapshot())  # the final status (cancelled) still reaches the UI
             raise
     on_poll(job.snapshot())
-    if job.error is not None:
-        raise job.error
-    return job.result
+    # handed over, not kept: an error's traceback holds the training frames (model, dataset)
+    error, result = job.error, job.result
+    job.error = job.result = None
+    if error is not None:
+        raise error
+    return result

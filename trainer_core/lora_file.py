@@ -1,13 +1,19 @@
-"""LoRA files: keys the stock LoraLoader applies, kohya-style metadata, atomic writes.
+"""LoRA files: kohya's Flux keys, which every Flux tool reads; atomic writes.
 
-Keys are `diffusion_model.<module>.lora_A.weight` (rank x in), `.lora_B.weight` (out x rank)
-and `.alpha` (a scalar): ComfyUI's `model_lora_keys_unet` maps `diffusion_model.<module>` to
-the Flux weight `<module>.weight` and applies W + strength * (alpha / rank) * B @ A.
+A layer's LoRA is three tensors under kohya's name for it (sd-scripts `networks/lora_flux.py`,
+see `flux_lora_names.kohya_name`): `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`
+(rank x in), `.lora_up.weight` (out x rank) and `.alpha` (a float32 scalar, whatever the save
+precision: the scale alpha / rank stays exact). The applied change is
+W + strength * (alpha / rank) * up @ down in ComfyUI's stock loaders (`model_lora_keys_unet`
+maps `lora_unet_*` to the Flux weight), in diffusers (`load_lora_weights` converts kohya Flux
+files, splitting the fused q/k/v), in Forge and in kohya-format readers.
+
+Files written by earlier versions (`diffusion_model.<module>.lora_A.weight` / `.lora_B.weight`
+/ `.alpha`) still read here and in ComfyUI.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,14 +23,17 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .atomic import write_atomic
+from .flux_lora_names import flux_name_from_kohya, kohya_name
 
-KEY_PREFIX = "diffusion_model."
+# save_precision -> the dtype of the lora_down / lora_up tensors (alpha stays float32)
+SAVE_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+KEY_PREFIX = "diffusion_model."  # the earlier versions' keys
 
 
 @dataclass
 class LoraModule:
-    down: torch.Tensor  # lora_A, (rank, in_features)
-    up: torch.Tensor  # lora_B, (out_features, rank)
+    down: torch.Tensor  # lora_down (peft's lora_A), (rank, in_features)
+    up: torch.Tensor  # lora_up (peft's lora_B), (out_features, rank)
     alpha: float
 
     @property
@@ -36,35 +45,43 @@ class LoraModule:
         return (self.alpha / self.rank) * (self.up.float() @ self.down.float())
 
 
+def precision_dtype(save_precision: str) -> torch.dtype:
+    if save_precision not in SAVE_PRECISIONS:
+        raise ValueError(
+            f"unknown save_precision {save_precision!r}; choose one of {', '.join(SAVE_PRECISIONS)}"
+        )
+    return SAVE_PRECISIONS[save_precision]
+
+
 def to_state_dict(
     modules: Mapping[str, LoraModule], dtype: torch.dtype = torch.float32
 ) -> dict[str, torch.Tensor]:
-    """`modules` maps Flux module names (e.g. `double_blocks.0.img_attn.qkv`) to their LoRA."""
+    """`modules` maps Flux module names (e.g. `double_blocks.0.img_attn.qkv`) to their LoRA; the
+    tensors come out under kohya's names, lora_down and lora_up in `dtype`, alpha in float32."""
     state = {}
     for name, module in modules.items():
         if module.up.shape[1] != module.rank:
             raise ValueError(
-                f"{name}: lora_B has {module.up.shape[1]} columns but lora_A has rank {module.rank}"
+                f"{name}: lora_up has {module.up.shape[1]} columns but lora_down has rank {module.rank}"
             )
-        key = KEY_PREFIX + name
-        state[f"{key}.lora_A.weight"] = module.down.detach().to(dtype).contiguous().cpu()
-        state[f"{key}.lora_B.weight"] = module.up.detach().to(dtype).contiguous().cpu()
-        state[f"{key}.alpha"] = torch.tensor(float(module.alpha))
+        key = kohya_name(name)
+        state[f"{key}.lora_down.weight"] = module.down.detach().to(dtype).contiguous().cpu()
+        state[f"{key}.lora_up.weight"] = module.up.detach().to(dtype).contiguous().cpu()
+        state[f"{key}.alpha"] = torch.tensor(float(module.alpha), dtype=torch.float32)
     return state
 
 
 _PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
-KOHYA_PREFIX = "lora_unet_"
 
 
 def from_state_dict(
     state: Mapping[str, torch.Tensor], module_names: Sequence[str] = ()
 ) -> dict[str, LoraModule]:
-    """LoRA modules from a state dict in our format (`diffusion_model.<module>.lora_A/B`),
-    its `lora_down/lora_up` variant, or kohya's `lora_unet_<module_with_underscores>` (which
-    needs the model's `module_names` to undo the underscores). A missing alpha means alpha =
-    rank, as ComfyUI assumes."""
-    kohya = {KOHYA_PREFIX + name.replace(".", "_"): name for name in module_names}
+    """LoRA modules from a state dict with kohya's names (what this pack writes; Flux.1's layers
+    decode without help, other models' need their `module_names`) or the earlier versions'
+    `diffusion_model.<module>.lora_A/B` (and its `lora_down/lora_up` variant). Tensors keep the
+    file's dtype. A missing alpha means alpha = rank, as ComfyUI assumes."""
+    kohya = {kohya_name(name): name for name in module_names}
     modules = {}
     for key in state:
         for down_suffix, up_suffix in _PAIRS:
@@ -75,6 +92,8 @@ def from_state_dict(
                 name = stem[len(KEY_PREFIX) :]
             elif stem in kohya:
                 name = kohya[stem]
+            elif (decoded := flux_name_from_kohya(stem)) is not None:
+                name = decoded
             else:
                 continue
             up_key = stem + up_suffix
@@ -85,29 +104,6 @@ def from_state_dict(
             alpha = float(state[alpha_key]) if alpha_key in state else float(down.shape[0])
             modules[name] = LoraModule(down, up, alpha)
     return modules
-
-
-def kohya_metadata(
-    rank: int,
-    alpha: float,
-    base_model: str,
-    steps: int,
-    resolution: int,
-    extra: Mapping[str, object] | None = None,
-) -> dict[str, str]:
-    """kohya-style `ss_*` fields that LoRA browsers read, plus ours under `kontext_trainer.*`
-    (layout, targets, sampler, trainer version, dataset hash, ...). All values are strings."""
-    metadata = {
-        "ss_network_module": "networks.lora",
-        "ss_network_dim": str(rank),
-        "ss_network_alpha": str(alpha),
-        "ss_base_model_version": base_model,
-        "ss_steps": str(steps),
-        "ss_resolution": f"({resolution}, {resolution})",
-    }
-    for key, value in (extra or {}).items():
-        metadata[f"kontext_trainer.{key}"] = value if isinstance(value, str) else json.dumps(value)
-    return metadata
 
 
 def save_atomic(

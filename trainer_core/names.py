@@ -10,6 +10,7 @@ from .atomic import temp_sibling
 
 SUFFIX = ".safetensors"
 LOSS_CHART_SUFFIX = "_loss.png"
+SNAPSHOT_FOLDER_SUFFIX = "_steps"
 MAX_LENGTH = 120  # characters: keeps names readable and paths short on Windows
 # Bytes per file or folder name on Linux / macOS file systems (ext4, btrfs, xfs, APFS, ...).
 MAX_NAME_BYTES = 255
@@ -33,15 +34,27 @@ def preview_name(stem: str, step: int, index: int) -> str:
     return f"{stem}_step{step:06d}_{index}.png"
 
 
+def snapshot_folder_name(stem: str) -> str:
+    """The folder in models/loras that holds a LoRA's per-step snapshots."""
+    return f"{stem}{SNAPSHOT_FOLDER_SUFFIX}"
+
+
+def snapshot_name(stem: str, step: int) -> str:
+    """The LoRA as it was at `step` (kohya's `<name>-step<8 digits>` pattern)."""
+    return f"{stem}-step{step:08d}{SUFFIX}"
+
+
 def written_names(stem: str) -> list[str]:
     """Every file or folder name the pack writes for a LoRA stem: the LoRA and its loss chart
-    in models/loras, their atomic temp siblings, the checkpoint folder
-    (output/kontext_trainer_checkpoints/<stem>/) and the longest preview image name."""
-    finals = [f"{stem}{SUFFIX}", f"{stem}{LOSS_CHART_SUFFIX}"]
+    in models/loras, its snapshot folder and the longest snapshot name, their atomic temp
+    siblings, the checkpoint folder (output/kontext_trainer_checkpoints/<stem>/) and the
+    longest preview image name."""
+    finals = [f"{stem}{SUFFIX}", f"{stem}{LOSS_CHART_SUFFIX}", snapshot_name(stem, LONGEST_PREVIEW[0])]
     return [
         *finals,
         *(temp_sibling(Path(name)).name for name in finals),
         stem,
+        snapshot_folder_name(stem),
         preview_name(stem, *LONGEST_PREVIEW),
     ]
 

@@ -1,17 +1,19 @@
 """Where one LoRA name's files go, and the leftovers a crash can leave there.
 
-The LoRA at `<loras>/<stem>.safetensors` with its loss chart beside it; its checkpoints under
-`<checkpoints root>/<stem>/<run date-time>/step_NNNNNN/` (see `checkpoint`).
+The LoRA at `<loras>/<stem>.safetensors` with its loss chart beside it; its per-step snapshots
+(the LoRA at each `save_every` step, in the save precision) in `<loras>/<stem>_steps/`; its
+checkpoints under `<checkpoints root>/<stem>/<run date-time>/step_NNNNNN/` (see `checkpoint`).
 """
 
 from __future__ import annotations
 
 import glob
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from .names import LOSS_CHART_SUFFIX, SUFFIX
+from .names import LOSS_CHART_SUFFIX, SUFFIX, snapshot_folder_name, snapshot_name
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,13 @@ class LoraPaths:
     @property
     def loss_chart(self) -> Path:
         return self.loras_dir / f"{self.stem}{LOSS_CHART_SUFFIX}"
+
+    @property
+    def snapshots(self) -> Path:
+        return self.loras_dir / snapshot_folder_name(self.stem)
+
+    def snapshot(self, step: int) -> Path:
+        return self.snapshots / snapshot_name(self.stem, step)
 
     @property
     def checkpoints(self) -> Path:
@@ -45,6 +54,8 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
         for name in (paths.lora.name, paths.loss_chart.name)
         for p in paths.loras_dir.glob(f".{glob.escape(name)}.*.partial")
     ]
+    if paths.snapshots.is_dir():
+        stale += list(paths.snapshots.glob(".*.partial"))
     if paths.checkpoints.is_dir():
         folders = [paths.checkpoints, *(p for p in paths.checkpoints.iterdir() if p.is_dir())]
         stale += [p for f in folders for p in f.iterdir() if p.name.endswith((".partial", ".old"))]
@@ -54,3 +65,13 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
         else:
             path.unlink(missing_ok=True)
     return stale
+
+
+def snapshot_steps(paths: LoraPaths) -> dict[int, Path]:
+    """The per-step snapshots written for this LoRA name: step -> file."""
+    if not paths.snapshots.is_dir():
+        return {}
+    pattern = re.compile(re.escape(paths.stem) + r"-step(\d{8,})" + re.escape(SUFFIX))
+    found = (pattern.fullmatch(p.name) for p in paths.snapshots.iterdir() if p.is_file())
+    return {int(m.group(1)): paths.snapshots / m.group(0) for m in found if m}
+

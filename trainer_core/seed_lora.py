@@ -1,10 +1,11 @@
 """Start a new run from an existing Flux LoRA file, whatever tool wrote it.
 
 `read_seed_lora` reads the key formats Flux LoRAs come in (safetensors only):
-- ours / ComfyUI: `diffusion_model.<module>.lora_A.weight` / `.lora_B.weight` / `.alpha`, the
-  same with `.lora_down` / `.lora_up`, and both without the `diffusion_model.` prefix;
-- kohya (sd-scripts): `lora_unet_<module with underscores>.lora_down.weight` / `.lora_up.weight`
-  / `.alpha`;
+- kohya (sd-scripts), and ours: `lora_unet_<module with underscores>.lora_down.weight` /
+  `.lora_up.weight` / `.alpha`;
+- ComfyUI, and this pack's earlier versions: `diffusion_model.<module>.lora_A.weight` /
+  `.lora_B.weight` / `.alpha`, the same with `.lora_down` / `.lora_up`, and both without the
+  `diffusion_model.` prefix;
 - diffusers, ai-toolkit, SimpleTuner: `transformer.<diffusers layer>.lora_A.weight` /
   `.lora_B.weight`, optionally `.alpha`; OneTrainer / lycoris: the diffusers layer with
   underscores after `lora_transformer_` / `lycoris_`;

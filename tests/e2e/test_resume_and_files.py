@@ -6,7 +6,10 @@ policy for an existing LoRA name."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
+import torch
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.graphs import training_graph
@@ -130,17 +133,61 @@ def test_failed_resumes_and_other_names_never_touch_the_original_run(server, dat
     assert [c.rsplit("/", 1)[1] for c in checkpoint_choices(server, "kt_keep_other")] == ["step_000006"]
 
 
-def test_lora_lists_hold_only_loras(server, dataset):
-    _, messages = server.run_prompt(training_graph(dataset, "kt_listed", steps=3, save_every=1, keep_last=0))
+LORA_TENSORS = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight", ".alpha")
+
+
+def test_lora_lists_hold_only_loras_and_the_step_snapshots(server, dataset):
+    _, messages = server.run_prompt(
+        training_graph(dataset, "kt_listed", steps=3, save_every=1, keep_last=0, save_precision="fp16")
+    )
     succeeded(messages)
     assert len(checkpoint_choices(server, "kt_listed")) == 3  # the run did write checkpoints
+    snapshots = [
+        "kt_listed_steps/kt_listed-step00000001.safetensors",
+        "kt_listed_steps/kt_listed-step00000002.safetensors",
+    ]
     for node_type, field in (("LoraLoaderModelOnly", "lora_name"), ("LoraLoader", "lora_name")):
         listed = combo_options(server, node_type, field)
-        assert "kt_listed.safetensors" in listed
+        assert "kt_listed.safetensors" in listed and set(snapshots) <= set(listed)
+        assert not [name for name in listed if name.startswith("kt_listed_steps/") and name not in snapshots]
         for name in listed:
             tensors, _ = load(loras(server) / name)
             assert tensors, name
-            assert all(k.endswith((".lora_A.weight", ".lora_B.weight", ".alpha")) for k in tensors), name
+            assert all(k.endswith(LORA_TENSORS) for k in tensors), name
+    # each snapshot is the LoRA at its step, in the save precision, and the stock loader applies it
+    for step, name in enumerate(snapshots, start=1):
+        tensors, metadata = load(loras(server) / name)
+        assert metadata["ss_steps"] == str(step) and metadata["ss_output_name"] == "kt_listed"
+        assert {t.dtype for k, t in tensors.items() if not k.endswith(".alpha")} == {torch.float16}
+    first, _ = load(loras(server) / snapshots[0])
+    final, _ = load(loras(server) / "kt_listed.safetensors")
+    assert set(first) == set(final) and any(not torch.equal(first[k], final[k]) for k in first)
+    probe = {
+        "1": {"class_type": "KTTest_TinyFluxModel", "inputs": {"seed": 3}},
+        "2": {
+            "class_type": "LoraLoaderModelOnly",
+            "inputs": {"model": ["1", 0], "lora_name": snapshots[1], "strength_model": 1.0},
+        },
+        "3": {"class_type": "KTTest_ModelDifference", "inputs": {"model_a": ["2", 0], "model_b": ["1", 0]}},
+    }
+    probe_id, probe_messages = server.run_prompt(probe)
+    succeeded(probe_messages)
+    assert server.history(probe_id)["outputs"]["3"]["difference"][0] > 0  # the snapshot changes the model
+
+    # a new run never mixes its snapshots with an earlier run's of the same name
+    (loras(server) / "kt_listed.safetensors").unlink()  # as a cancelled run leaves them: no LoRA
+    _, refused = server.run_prompt(training_graph(dataset, "kt_listed", steps=5, save_every=2))
+    assert "kt_listed_steps holds the per-step snapshots of an earlier run" in error_of(refused)
+    assert (loras(server) / snapshots[0]).exists()  # refused: nothing touched
+    _, again = server.run_prompt(
+        training_graph(dataset, "kt_listed", steps=5, save_every=2, keep_last=1, overwrite=True, seed=7)
+    )
+    succeeded(again)
+    folder = loras(server) / "kt_listed_steps"
+    # the earlier run's two are gone, this run's step 2 was pruned (keep_last 1), step 4 stays
+    assert sorted(p.name for p in folder.iterdir()) == ["kt_listed-step00000004.safetensors"]
+    _, metadata = load(folder / "kt_listed-step00000004.safetensors")
+    assert json.loads(metadata["kontext_trainer.config"])["seed"] == 7
 
 
 def test_an_existing_lora_is_never_replaced_silently(server, dataset):

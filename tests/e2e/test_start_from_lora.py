@@ -13,12 +13,20 @@ from safetensors.torch import save_file
 from kt_testing.datasets import write_one_folder
 from kt_testing.graphs import training_graph
 from kt_testing.runs import error_of
-from trainer_core.lora_file import load
+from trainer_core.lora_file import from_state_dict, load
 
 TRAIN_LORA = "KontextTrainer_TrainLoRA"
 RANK = 2
 H, MLP = 64, 256  # the tiny Flux of KTTest_TinyFluxModel: hidden 64, mlp_ratio 4
-SETTINGS = {"steps": 2, "learning_rate": 1e-7, "seed": 5, "rank": RANK, "alpha": 2.0}
+# fp32 files: the saved weights are compared with the seed to a few learning-rate steps
+SETTINGS = {
+    "steps": 2,
+    "learning_rate": 1e-7,
+    "seed": 5,
+    "rank": RANK,
+    "alpha": 2.0,
+    "save_precision": "fp32",
+}
 LR_SIZED = 1e-5  # two AdamW steps move each weight by about 2e-7
 
 
@@ -35,13 +43,7 @@ def factors(gen, out, inp, rank=RANK):
 
 def saved_modules(path) -> dict[str, tuple[torch.Tensor, torch.Tensor, float]]:
     state, _ = load(path)
-    out = {}
-    for key in state:
-        if key.endswith(".lora_A.weight"):
-            stem = key[: -len(".lora_A.weight")]
-            name = stem[len("diffusion_model.") :]
-            out[name] = (state[key], state[f"{stem}.lora_B.weight"], float(state[f"{stem}.alpha"]))
-    return out
+    return {name: (m.down, m.up, m.alpha) for name, m in from_state_dict(state).items()}
 
 
 def start_choices(server) -> list[str]:

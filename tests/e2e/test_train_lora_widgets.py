@@ -1,11 +1,13 @@
 """TrainLoRA's widgets in the real frontend: the essentials show, the rest wait behind the
-node's own "Show Advanced", and a workflow saved by the previous version (0.4, before the
-widgets added after `overwrite`) loads with every value where it was."""
+node's own "Show Advanced", and workflows saved by earlier versions (0.4, before the widgets
+added after `overwrite`; 0.5, before `save_precision`) load with every value where it was."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+
+import pytest
 
 DATA = Path(__file__).parent / "data"
 TRAIN = "KontextTrainer_TrainLoRA"
@@ -40,25 +42,35 @@ def load(page, server, workflow) -> dict:
     return page.evaluate(WIDGETS_JS, TRAIN)
 
 
-def test_a_workflow_saved_before_keeps_its_values_and_advanced_widgets_wait(comfy_page, server):
+# (saved by version, the widgets it did not have yet)
+SAVED_BEFORE = [
+    ("0_4", ("validate_every", "reference_dropout", "lr_floor", "start_from_lora", "save_precision")),
+    ("0_5", ("save_precision",)),
+]
+
+
+@pytest.mark.parametrize("version, newer", SAVED_BEFORE, ids=[v for v, _ in SAVED_BEFORE])
+def test_a_workflow_saved_before_keeps_its_values_and_advanced_widgets_wait(
+    comfy_page, server, version, newer
+):
     spec = server.get_json("/object_info")[TRAIN]["input"]
     declared = {**spec["required"], **spec.get("optional", {})}
     advanced = sorted(name for name, (_, options, *_) in declared.items() if options.get("advanced"))
     assert "learning_rate" not in advanced and "optimizer" in advanced and "reference_dropout" in advanced
     comfy_page.forget_problems()
-    node = load(comfy_page, server, json.loads((DATA / "kontext_lora_training_0_4.json").read_text()))
+    node = load(comfy_page, server, json.loads((DATA / f"kontext_lora_training_{version}.json").read_text()))
     # every value the old version saved is back on its own widget (checked against the API
     # form of the same workflow, which names each input)
     old_inputs = next(
         n["inputs"]
-        for n in json.loads((DATA / "kontext_lora_training_0_4_api.json").read_text()).values()
+        for n in json.loads((DATA / f"kontext_lora_training_{version}_api.json").read_text()).values()
         if n["class_type"] == TRAIN
     )
     for name, value in old_inputs.items():
         if not isinstance(value, list):  # links are not widgets
             assert node["values"][name] == value, name
     # widgets it did not have start at their defaults
-    for name in ("validate_every", "reference_dropout", "lr_floor", "start_from_lora"):
+    for name in newer:
         assert node["values"][name] == declared[name][1]["default"], name
     # the frontend's own grouping: advanced widgets hidden until "Show Advanced", then shown
     assert sorted(node["advanced"]) == advanced

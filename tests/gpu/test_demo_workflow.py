@@ -52,8 +52,9 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
         assert all(math.isfinite(loss) for loss in result["loss"])
         assert any(e["message"].startswith("estimated VRAM ~") for e in progress_events(messages))
         tensors, metadata = load(server.base_dir / "models" / "loras" / lora_name)
-        assert metadata["ss_base_model_version"] == "flux1_kontext"
-        modules = [key for key in tensors if key.endswith(".lora_A.weight")]
+        assert metadata["ss_base_model_version"] == "flux1"
+        assert metadata["kontext_trainer.base_model"] == "flux1_kontext"
+        modules = [key for key in tensors if key.endswith(".lora_down.weight")]
 
         unet = workflow[node_of(workflow, "UNETLoader")]
         probe = {

@@ -35,6 +35,7 @@ def core(pack):
             "flow_step": importlib.import_module(f"{name}.flow_step"),
             "loop": importlib.import_module(f"{name}.loop"),
             "lora_file": importlib.import_module(f"{name}.lora_file"),
+            "lora_metadata": importlib.import_module(f"{name}.lora_metadata"),
             "validation": importlib.import_module(f"{name}.validation"),
         },
     )
@@ -132,28 +133,57 @@ def test_shared_model_is_bit_identical_after_training(ft, core, comfy_runtime, w
         assert torch.equal(tensor, loaded_state[key]), key
 
 
-def test_saved_lora_through_stock_loader_equals_the_trained_model(ft, run, core, comfy_runtime):
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+def test_saved_lora_through_stock_loader_equals_the_trained_model(
+    ft, run, core, comfy_runtime, caplog, precision
+):
+    import comfy.lora
     import folder_paths
 
-    config = ft.TrainConfig(steps=4, rank=4, alpha=2.0, learning_rate=2e-2, targets="attention_mlp")
-    name = "kt_trained.safetensors"
+    config = ft.TrainConfig(
+        steps=4, rank=4, alpha=2.0, learning_rate=2e-2, targets="attention_mlp", save_precision=precision
+    )
+    name = f"kt_trained_{precision}.safetensors"
     path = f"{folder_paths.get_folder_paths('loras')[0]}/{name}"
     model = tiny_flux_patcher(seed=13)
+    facts = core.lora_metadata.RunFacts("kt_trained", "flux1_kontext", 64, 4, 2, "cafe", 1.7e9, 1)
     with ft.flux_lora_session(model, config) as session:
         train_steps(core, session, config, samples_for(core, 4, seed=3))
         in_training = sampling_output(session.patcher, session.transformer_options())
-        session.save(path, steps=4, resolution=64, base_model="flux1-kontext", dataset_hash="cafe")
+        trained = session.lora.modules()
+        session.save(path, core.lora_metadata.training_metadata(config, facts, 4))
     untrained = sampling_output(model)
+
+    # ComfyUI's stock key map consumes every tensor of the file: one patch per LoRA module
+    state, metadata = core.lora_file.load(path)
+    dtype = core.lora_file.SAVE_PRECISIONS[precision]
+    assert {t.dtype for k, t in state.items() if not k.endswith(".alpha")} == {dtype}
+    with caplog.at_level("WARNING"):
+        patches = comfy.lora.load_lora(state, comfy.lora.model_lora_keys_unet(model.model, {}))
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    assert len(patches) == len(trained) == len(state) // 3
+    assert {key for key in patches} == {f"diffusion_model.{layer}.weight" for layer in trained}
 
     loaded = stock_lora_loader(tiny_flux_patcher(seed=13), name)
     from_file = sampling_output(loaded)
-    assert (from_file - in_training).abs().max() <= 1e-5
-    assert (in_training - untrained).abs().max() > 1e-3  # the LoRA did change the model
-
-    _, metadata = core.lora_file.load(path)
+    effect = (in_training - untrained).abs().max()
+    assert effect > 1e-3  # the LoRA did change the model
+    if precision == "fp32":
+        assert (from_file - in_training).abs().max() <= 1e-5
+    else:
+        # the in-training LoRA with its down / up rounded to the file's dtype, added by hand
+        reference = tiny_flux_patcher(seed=13)
+        with torch.no_grad():
+            for layer, module in trained.items():
+                down, up = module.down.to(dtype).float(), module.up.to(dtype).float()
+                reference.model.diffusion_model.get_submodule(layer).weight += (module.alpha / 4) * up @ down
+        assert (from_file - sampling_output(reference)).abs().max() <= 1e-5
+        assert (from_file - in_training).abs().max() <= 2e-2 * effect  # within the dtype's rounding
     assert metadata["ss_network_dim"] == "4" and metadata["ss_steps"] == "4"
     assert metadata["kontext_trainer.targets"] == "attention_mlp"
     assert metadata["kontext_trainer.dataset_hash"] == "cafe"
+    if precision != "fp32":
+        return
 
     # The same file seeds a new run: same weights, same outputs as the stock-loaded model.
     resumed_config = dataclasses.replace(config, targets="attention")  # the file's layers win

@@ -127,9 +127,10 @@ def test_widgets_come_from_the_config(mods):
         assert widgets[f.name].tooltip == f.metadata["tooltip"]
         spec = widgets[f.name].as_dict()
         assert spec.get("advanced", False) == f.metadata["advanced"], f.name
-        assert widgets[f.name].optional == f.metadata["appended"], f.name
+        assert widgets[f.name].optional == (f.metadata["appended"] != 0), f.name
     assert widgets["targets"].options == ["attention", "attention_mlp", "all_linear"]
-    # the order saved workflows rely on: the 0.4 widgets, then those added after `overwrite`
+    # the order saved workflows rely on: the 0.4 widgets, then those added after `overwrite`,
+    # then those added after `start_from_lora`
     order = [i.id for i in schema.inputs if i.id not in ("model", "dataset", "preview")]
     before = order[: order.index("overwrite") + 1]
     assert before[:2] == ["lora_name", "resume_from"] and len(before) == 32
@@ -138,6 +139,7 @@ def test_widgets_come_from_the_config(mods):
         "reference_dropout",
         "lr_floor",
         "start_from_lora",
+        "save_precision",
     ]
     visible = [name for name in order if not widgets[name].as_dict().get("advanced")]
     assert len(visible) <= 17, visible

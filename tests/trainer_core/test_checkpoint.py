@@ -60,6 +60,26 @@ def test_round_trip(tmp_path):
     assert json.loads((path / "state.json").read_text())["step"] == 12
 
 
+def test_the_checkpoint_lora_is_a_full_precision_kohya_file_and_old_ones_still_load(tmp_path):
+    lora, optimizer, rng = state()
+    path = save_checkpoint(tmp_path / "ckpt", 3, lora, optimizer, rng, [1.0], {}, {"ss_steps": "3"})
+    tensors, metadata = load(path / "lora.safetensors")
+    down = tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"]
+    assert down.dtype == torch.float32 and torch.equal(down, lora["double_blocks.0.img_attn.qkv"].down)
+    assert metadata["ss_steps"] == "3" and len(metadata["sshs_model_hash"]) == 64
+    # a checkpoint written by an earlier version: `diffusion_model.<module>.lora_A/B` keys
+    module = lora["double_blocks.0.img_attn.qkv"]
+    old = {
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight": module.down,
+        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight": module.up,
+        "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(module.alpha),
+    }
+    save_atomic(old, path / "lora.safetensors")
+    loaded = load_checkpoint(path).lora["double_blocks.0.img_attn.qkv"]
+    assert torch.equal(loaded.down, module.down) and torch.equal(loaded.up, module.up)
+    assert loaded.alpha == module.alpha
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     lora, optimizer, rng = state()
     folder = tmp_path / "ckpt"

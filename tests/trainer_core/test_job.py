@@ -182,3 +182,33 @@ def test_wait_for_reraises_the_training_error():
     with pytest.raises(ValueError, match="boom"):
         wait_for(job, seen.append, lambda: None, poll_seconds=0.01)
     assert seen[-1].status == "error" and seen[-1].message == "boom"
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_a_finished_job_keeps_nothing_of_its_run(fails):
+    """The manager keeps the last job until the next one starts: it must not keep what the run
+    used (the MODEL, the dataset), through its target or an error's traceback."""
+    import gc
+    import weakref
+
+    class Model:
+        pass
+
+    model = Model()
+    alive = weakref.ref(model)
+
+    def run(job, model=model):
+        if fails:
+            raise ValueError("bad sample")
+        return "done"
+
+    job = TrainingJob("kt", run)
+    del run, model
+    job.thread.start()
+    if fails:
+        with pytest.raises(ValueError, match="bad sample"):
+            wait_for(job, lambda progress: None, lambda: None, poll_seconds=0.01)
+    else:
+        assert wait_for(job, lambda progress: None, lambda: None, poll_seconds=0.01) == "done"
+    gc.collect()
+    assert alive() is None

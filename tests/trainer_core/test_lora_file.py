@@ -1,15 +1,17 @@
-"""LoRA file round trip, metadata and atomic writes."""
+"""LoRA files: kohya's Flux keys, save precision, reading every format we wrote, atomic writes."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from trainer_core.flux_lora_names import flux_name_from_kohya, kohya_name
 from trainer_core.lora_file import (
+    SAVE_PRECISIONS,
     LoraModule,
     from_state_dict,
-    kohya_metadata,
     load,
+    precision_dtype,
     save_atomic,
     to_state_dict,
 )
@@ -27,34 +29,94 @@ def modules():
     }
 
 
-def test_keys_and_delta():
+def test_kohya_keys_and_delta():
     state = to_state_dict(modules())
     assert set(state) == {
-        "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight",
-        "diffusion_model.double_blocks.0.img_attn.qkv.lora_B.weight",
-        "diffusion_model.double_blocks.0.img_attn.qkv.alpha",
-        "diffusion_model.single_blocks.1.linear2.lora_A.weight",
-        "diffusion_model.single_blocks.1.linear2.lora_B.weight",
-        "diffusion_model.single_blocks.1.linear2.alpha",
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight",
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight",
+        "lora_unet_double_blocks_0_img_attn_qkv.alpha",
+        "lora_unet_single_blocks_1_linear2.lora_down.weight",
+        "lora_unet_single_blocks_1_linear2.lora_up.weight",
+        "lora_unet_single_blocks_1_linear2.alpha",
     }
+    assert state["lora_unet_single_blocks_1_linear2.lora_down.weight"].shape == (2, 320)  # rank x in
+    assert state["lora_unet_single_blocks_1_linear2.lora_up.weight"].shape == (64, 2)  # out x rank
     module = modules()["single_blocks.1.linear2"]
     # (alpha / rank) * B @ A = (2 / 2) * B @ A, written out element by element for one entry
     expected = sum(float(module.up[5, r]) * float(module.down[r, 7]) for r in range(2))
     assert float(module.delta()[5, 7]) == pytest.approx(expected, rel=1e-5)
 
 
+@pytest.mark.parametrize("precision", list(SAVE_PRECISIONS))
+def test_save_precision_rounds_down_and_up_and_keeps_alpha_exact(precision):
+    dtype = precision_dtype(precision)
+    assert dtype == {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[precision]
+    state = to_state_dict(
+        {"single_blocks.0.linear2": LoraModule(torch.full((3, 4), 1 / 3), torch.ones(5, 3), 1 / 3)}, dtype
+    )
+    down = state["lora_unet_single_blocks_0_linear2.lora_down.weight"]
+    assert down.dtype == dtype and state["lora_unet_single_blocks_0_linear2.lora_up.weight"].dtype == dtype
+    # the value 1/3 as each dtype rounds it (bf16 keeps 8 significant bits, fp16 11, fp32 24)
+    bits = {"bf16": 8, "fp16": 11, "fp32": 24}[precision]
+    assert float(down[0, 0]) == pytest.approx(1 / 3, abs=2.0**-bits)
+    if precision != "fp32":
+        assert float(down[0, 0]) != float(torch.tensor(1 / 3))
+    alpha = state["lora_unet_single_blocks_0_linear2.alpha"]
+    assert alpha.dtype == torch.float32 and alpha.dim() == 0 and float(alpha) == float(torch.tensor(1 / 3))
+
+
+def test_unknown_precision_names_the_choices():
+    with pytest.raises(ValueError, match="save_precision 'int8'; choose one of bf16, fp16, fp32"):
+        precision_dtype("int8")
+
+
+@pytest.mark.parametrize(
+    "flux, kohya",
+    [
+        ("double_blocks.0.img_attn.qkv", "lora_unet_double_blocks_0_img_attn_qkv"),
+        ("double_blocks.18.txt_mod.lin", "lora_unet_double_blocks_18_txt_mod_lin"),
+        ("double_blocks.3.img_mlp.2", "lora_unet_double_blocks_3_img_mlp_2"),
+        ("single_blocks.37.linear1", "lora_unet_single_blocks_37_linear1"),
+        ("single_blocks.5.modulation.lin", "lora_unet_single_blocks_5_modulation_lin"),
+        ("final_layer.adaLN_modulation.1", "lora_unet_final_layer_adaLN_modulation_1"),
+        ("time_in.in_layer", "lora_unet_time_in_in_layer"),
+    ],
+)
+def test_kohya_names_both_ways(flux, kohya):
+    assert kohya_name(flux) == kohya
+    assert flux_name_from_kohya(kohya) == flux
+
+
+@pytest.mark.parametrize(
+    "stem", ["lora_te1_text_model_encoder_layers_0_mlp_fc1", "lora_unet_double_blocks_0_img_attn", "x"]
+)
+def test_names_that_are_not_flux_layers_decode_to_none(stem):
+    assert flux_name_from_kohya(stem) is None
+
+
 def test_round_trip_with_metadata(tmp_path):
-    meta = kohya_metadata(4, 8.0, "flux1-kontext", 100, 1024, {"layout": "dreamomni2", "targets": ["qkv"]})
+    meta = {"ss_network_dim": "4", "kontext_trainer.layout": "dreamomni2"}
     path = save_atomic(to_state_dict(modules()), tmp_path / "loras" / "x.safetensors", meta)
     state, metadata = load(path)
-    loaded = from_state_dict(state)
+    loaded = from_state_dict(state)  # kohya names of Flux layers decode without the model's names
+    assert set(loaded) == set(modules())
     for name, module in modules().items():
         assert torch.equal(loaded[name].down, module.down) and torch.equal(loaded[name].up, module.up)
         assert loaded[name].alpha == module.alpha
-    assert metadata["ss_network_dim"] == "4" and metadata["ss_network_alpha"] == "8.0"
-    assert metadata["ss_resolution"] == "(1024, 1024)" and metadata["kontext_trainer.layout"] == "dreamomni2"
-    assert metadata["kontext_trainer.targets"] == '["qkv"]'
+    assert metadata == meta
     assert [p.name for p in path.parent.iterdir()] == ["x.safetensors"]
+
+
+def test_files_of_earlier_versions_still_read(tmp_path):
+    """Earlier versions wrote `diffusion_model.<module>.lora_A/B.weight` and `.alpha`."""
+    old = {}
+    for name, module in modules().items():
+        old[f"diffusion_model.{name}.lora_A.weight"] = module.down
+        old[f"diffusion_model.{name}.lora_B.weight"] = module.up
+        old[f"diffusion_model.{name}.alpha"] = torch.tensor(module.alpha)
+    loaded = from_state_dict(old)
+    for name, module in modules().items():
+        assert torch.equal(loaded[name].delta(), module.delta())
 
 
 def test_failed_write_keeps_the_old_file_and_leaves_no_temp(tmp_path):
@@ -88,4 +150,7 @@ def test_reads_lora_down_up_and_kohya_keys():
 def test_half_a_pair_is_an_error():
     state = {"diffusion_model.single_blocks.0.linear2.lora_A.weight": torch.zeros(2, 4)}
     with pytest.raises(ValueError, match=r"no diffusion_model\.single_blocks\.0\.linear2\.lora_B\.weight"):
+        from_state_dict(state)
+    state = {"lora_unet_single_blocks_0_linear2.lora_down.weight": torch.zeros(2, 4)}
+    with pytest.raises(ValueError, match=r"no lora_unet_single_blocks_0_linear2\.lora_up\.weight"):
         from_state_dict(state)

@@ -40,28 +40,30 @@ def test_bad_names_are_refused_with_a_reason(name, message):
 
 def test_every_name_written_for_a_stem_is_listed():
     names = written_names("cat")
-    assert names[:2] == ["cat.safetensors", "cat_loss.png"]
-    assert re.fullmatch(r"\.cat\.safetensors\.[0-9a-f]{12}\.partial", names[2])
-    assert re.fullmatch(r"\.cat_loss\.png\.[0-9a-f]{12}\.partial", names[3])
-    assert names[4:] == ["cat", "cat_step1000000_999.png"]
+    assert names[:3] == ["cat.safetensors", "cat_loss.png", "cat-step01000000.safetensors"]
+    assert re.fullmatch(r"\.cat\.safetensors\.[0-9a-f]{12}\.partial", names[3])
+    assert re.fullmatch(r"\.cat_loss\.png\.[0-9a-f]{12}\.partial", names[4])
+    assert re.fullmatch(r"\.cat-step01000000\.safetensors\.[0-9a-f]{12}\.partial", names[5])
+    assert names[6:] == ["cat", "cat_steps", "cat_step1000000_999.png"]
 
 
 def test_the_limit_is_in_bytes_of_the_longest_name_written():
-    # longest: "." + stem + ".safetensors" + "." + 12 hex + ".partial" = stem + 34 bytes <= 255
-    assert lora_stem("字" * 73) == "字" * 73  # 219 bytes
+    # longest: the last snapshot's temp name,
+    # "." + stem + "-step01000000.safetensors" + "." + 12 hex + ".partial" = stem + 47 bytes <= 255
+    assert lora_stem("字" * 69) == "字" * 69  # 207 bytes
     assert lora_stem("a" * 120) == "a" * 120
     with pytest.raises(ValueError) as caught:
         lora_stem("字" * 100)  # 100 characters pass the character check, 300 bytes do not
     message = str(caught.value)
     assert message.startswith("lora_name is 300 bytes in UTF-8 (100 characters); the trainer would write")
-    assert "334 bytes, and file systems allow 255 bytes per file name" in message
-    assert "Use a shorter lora_name: at most 221 bytes" in message
-    with pytest.raises(ValueError, match="lora_name is 222 bytes"):
-        lora_stem("字" * 74)
+    assert "347 bytes, and file systems allow 255 bytes per file name" in message
+    assert "Use a shorter lora_name: at most 208 bytes" in message
+    with pytest.raises(ValueError, match="lora_name is 210 bytes"):
+        lora_stem("字" * 70)
 
 
 def test_every_accepted_name_can_really_be_written(tmp_path):
-    stem = lora_stem("é" * 110)  # 220 bytes: the largest even number of bytes accepted
+    stem = lora_stem("é" * 104)  # 208 bytes: the largest number of bytes accepted
     for name in written_names(stem):
         (tmp_path / name).write_bytes(b"")  # raises 'File name too long' if the check is too loose
     assert len(list(tmp_path.iterdir())) == len(written_names(stem))

@@ -1,0 +1,209 @@
+"""The LoRA file's metadata: kohya's `ss_*` fields as sd-scripts formats them, its `sshs_*`
+hashes computed by hand, the model spec, and ours."""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import struct
+
+import torch
+from safetensors.torch import save as serialise
+
+from trainer_core import __version__
+from trainer_core.config import TrainConfig
+from trainer_core.lora_file import LoraModule, load
+from trainer_core.lora_metadata import RunFacts, training_metadata, write_lora
+
+STARTED = 1_763_900_000.25
+
+FACTS = RunFacts(
+    output_name="my_style",
+    base_model="flux1_kontext",
+    resolution=512,
+    train_images=10,
+    batches_per_epoch=6,  # e.g. buckets of 7 and 3 images, 2 per batch: 4 + 2 micro-batches
+    dataset_hash="abc123",
+    started_at=STARTED,
+    session_id=77,
+)
+
+INTEGERS = [
+    "ss_session_id",
+    "ss_num_train_images",
+    "ss_num_reg_images",
+    "ss_num_batches_per_epoch",
+    "ss_num_epochs",
+    "ss_max_train_steps",
+    "ss_steps",
+    "ss_epoch",
+    "ss_lr_warmup_steps",
+    "ss_seed",
+    "ss_batch_size_per_device",
+    "ss_total_batch_size",
+    "ss_gradient_accumulation_steps",
+    "ss_network_dim",
+]
+FLOATS = [
+    "ss_training_started_at",
+    "ss_learning_rate",
+    "ss_unet_lr",
+    "ss_max_grad_norm",
+    "ss_network_alpha",
+    "ss_network_dropout",
+    "ss_caption_dropout_rate",
+    "ss_ip_noise_gamma",
+    "ss_guidance_scale",
+    "ss_sigmoid_scale",
+    "ss_discrete_flow_shift",
+    "ss_logit_mean",
+    "ss_logit_std",
+]
+BOOLEANS = ["ss_gradient_checkpointing", "ss_v2", "ss_fp8_base"]
+
+
+def config() -> TrainConfig:
+    return TrainConfig(
+        steps=7,
+        batch_size=2,
+        gradient_accumulation=2,
+        rank=8,
+        alpha=4.0,
+        learning_rate=5e-5,
+        schedule="cosine",
+        layout="dreamomni2",
+        targets="attention",
+        timestep_sampler="shift",
+        shift=2.5,
+        seed=42,
+        weight_decay=0.01,
+    )
+
+
+def test_kohya_fields_are_strings_in_sd_scripts_formats():
+    metadata = training_metadata(config(), FACTS, steps=5)
+    assert all(isinstance(key, str) and isinstance(value, str) for key, value in metadata.items())
+    for key in INTEGERS:
+        assert str(int(metadata[key])) == metadata[key], key
+    for key in FLOATS:
+        float(metadata[key])  # raises on anything but a number
+        assert "." in metadata[key] or "e" in metadata[key], (key, metadata[key])  # str(float), never "4"
+    for key in BOOLEANS:
+        assert metadata[key] in ("True", "False"), key
+    assert metadata["ss_network_module"] == "networks.lora_flux"
+    assert metadata["ss_base_model_version"] == "flux1"
+    assert metadata["ss_output_name"] == "my_style"
+    assert metadata["ss_network_dim"] == "8" and metadata["ss_network_alpha"] == "4.0"
+    assert metadata["ss_learning_rate"] == "5e-05"
+    assert metadata["ss_training_started_at"] == "1763900000.25"
+    assert metadata["ss_resolution"] == "(512, 512)"
+    assert metadata["ss_optimizer"] == "torch.optim.adamw.AdamW(weight_decay=0.01)"
+    # sd-scripts' name: the class's module and name (each class's own, read here from torch)
+    for name, cls in (("adamw", torch.optim.AdamW), ("adafactor", torch.optim.Adafactor)):
+        other = dataclasses.replace(config(), optimizer=name, weight_decay=0.0)
+        written = training_metadata(other, FACTS, 5)["ss_optimizer"]
+        assert written == f"{cls.__module__}.{cls.__name__}(weight_decay=0.0)"
+    assert metadata["ss_lr_scheduler"] == "cosine"
+    assert metadata["ss_seed"] == "42" and metadata["ss_batch_size_per_device"] == "2"
+    assert json.loads(metadata["ss_network_args"]) == {"targets": "attention", "dropout": None}
+    assert (
+        metadata["ss_text_encoder_lr"] == "None"
+    )  # sd-scripts' value when the text encoders are not trained
+
+
+def test_steps_and_epochs_by_hand():
+    # 6 micro-batches per pass over the data, 2 micro-batches per step
+    metadata = training_metadata(config(), FACTS, steps=5)
+    assert metadata["ss_steps"] == "5" and metadata["ss_max_train_steps"] == "7"
+    assert metadata["ss_total_batch_size"] == "4"  # 2 per batch, 2 batches per step
+    assert metadata["ss_num_batches_per_epoch"] == "6"
+    assert metadata["ss_epoch"] == "1"  # 5 steps = 10 micro-batches: one whole pass
+    assert metadata["ss_num_epochs"] == "3"  # 7 steps = 14 micro-batches: into the third pass
+    assert training_metadata(config(), FACTS, steps=6)["ss_epoch"] == "2"  # 12 micro-batches
+
+
+def test_model_spec(tmp_path):
+    path = write_lora(
+        tmp_path / "x.safetensors", _modules(8), training_metadata(config(), FACTS, 5), torch.float32, 1.5e9
+    )
+    _, metadata = load(path)
+    assert metadata["modelspec.sai_model_spec"] == "1.0.1"
+    assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
+    assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
+    assert metadata["modelspec.implementation_version"] == f"kontext-trainer/{__version__}"
+    assert metadata["modelspec.title"] == "my_style"
+    assert metadata["modelspec.resolution"] == "512x512"
+    # the save's date: local time, whole seconds, no zone, as sd-scripts writes it
+    date = datetime.datetime.fromisoformat(metadata["modelspec.date"])
+    assert date.tzinfo is None and date.microsecond == 0
+    assert date.timestamp() == 1.5e9
+
+
+def test_ours_are_kept():
+    metadata = training_metadata(config(), FACTS, steps=5)
+    assert metadata["kontext_trainer.layout"] == "dreamomni2"
+    assert metadata["kontext_trainer.targets"] == "attention"
+    assert metadata["kontext_trainer.base_model"] == "flux1_kontext"
+    assert json.loads(metadata["kontext_trainer.sampler"]) == {
+        "kind": "shift",
+        "weighting": "none",
+        "sigmoid_scale": 1.0,
+        "shift": 2.5,
+    }
+    assert metadata["kontext_trainer.trainer_version"] == __version__
+    assert metadata["kontext_trainer.dataset_hash"] == "abc123"
+    assert json.loads(metadata["kontext_trainer.config"])["rank"] == 8
+
+
+def _modules(in_features: int) -> dict[str, LoraModule]:
+    gen = torch.Generator().manual_seed(0)
+    return {
+        "single_blocks.0.linear2": LoraModule(
+            torch.randn(4, in_features, generator=gen), torch.randn(64, 4, generator=gen), 2.0
+        )
+    }
+
+
+def _data_section(raw: bytes) -> bytes:
+    (header_length,) = struct.unpack("<Q", raw[:8])
+    return raw[8 + header_length :]
+
+
+def test_hashes_of_a_small_file_by_hand(tmp_path):
+    path = write_lora(
+        tmp_path / "x.safetensors",
+        _modules(100),
+        training_metadata(config(), FACTS, 5),
+        torch.bfloat16,
+        1.5e9,
+    )
+    raw = path.read_bytes()
+    _, metadata = load(path)
+    assert metadata["ss_training_finished_at"] == "1500000000.0"
+    assert metadata["sshs_model_hash"] == hashlib.sha256(_data_section(raw)).hexdigest()
+    # under 1 MiB: the legacy window (64 KiB at 1 MiB) is empty, and SHA-256 of nothing is e3b0c442...
+    assert len(raw) < 0x100000 and metadata["sshs_legacy_hash"] == "e3b0c442"
+
+
+def test_hashes_of_a_file_over_a_mebibyte_by_hand(tmp_path):
+    path = write_lora(
+        tmp_path / "x.safetensors",
+        _modules(70_000),
+        training_metadata(config(), FACTS, 5),
+        torch.float32,
+        1.5e9,
+    )
+    tensors, metadata = load(path)
+    raw = path.read_bytes()
+    assert len(raw) > 0x110000
+    assert metadata["sshs_model_hash"] == hashlib.sha256(_data_section(raw)).hexdigest()
+    # sd-scripts hashes the file as serialised with its ss_* metadata only (not modelspec, not ours)
+    ss_only = {key: value for key, value in metadata.items() if key.startswith("ss_")}
+    assert "modelspec.title" not in ss_only and "sshs_model_hash" not in ss_only and len(ss_only) > 30
+    reference = serialise(tensors, ss_only)
+    assert _data_section(reference) == _data_section(raw)
+    window = reference[0x100000 : 0x100000 + 0x10000]
+    assert len(window) == 0x10000
+    assert metadata["sshs_legacy_hash"] == hashlib.sha256(window).hexdigest()[:8]

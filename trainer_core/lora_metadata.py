@@ -1,0 +1,178 @@
+"""The LoRA file's metadata: what kohya's sd-scripts writes for a Flux LoRA, so that the tools
+that read kohya files (LoRA managers, model sites, web UIs) show this one too.
+
+- `ss_*`: the training facts as sd-scripts records them (`train_network.py` and
+  `flux_train_network.py`): every value a string, numbers as Python prints them, booleans as
+  `True` / `False`, times as seconds since the epoch, `ss_network_args` as JSON;
+- `sshs_model_hash` / `sshs_legacy_hash`: the hashes sd-scripts precomputes for the
+  additional-networks extension, over the file as serialised with the `ss_*` metadata only;
+- `modelspec.*`: the Stability AI model spec (architecture, implementation, title, date,
+  resolution) that model browsers display;
+- `kontext_trainer.*`: ours (layout, targets, sampler, trainer version, dataset hash, base model,
+  the whole config as JSON), which the pack reads back.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save as serialise
+
+from . import __version__
+from .config import TrainConfig
+from .lora_file import LoraModule, save_atomic, to_state_dict
+
+NETWORK_MODULE = "networks.lora_flux"  # sd-scripts' Flux LoRA module
+BASE_MODEL_VERSION = "flux1"  # sd-scripts' name for every FLUX.1 model, Kontext included
+MODELSPEC_VERSION = "1.0.1"  # what sd-scripts writes
+FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
+# The model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
+# so, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
+# kontext_trainer.base_model.
+ARCHITECTURE = "flux-1-dev/lora"
+OPTIMIZER_CLASSES = {"adamw": "torch.optim.adamw.AdamW", "adafactor": "torch.optim.Adafactor"}
+
+_HASH_BLOCK = 1 << 20  # sd-scripts hashes the data section in 1 MiB reads
+_LEGACY_OFFSET, _LEGACY_LENGTH = 0x100000, 0x10000
+
+
+@dataclass(frozen=True)
+class RunFacts:
+    """What the metadata says about one run beyond its config."""
+
+    output_name: str  # the LoRA's file name without .safetensors
+    base_model: str  # ours: "flux1_dev" (no references) or "flux1_kontext"
+    resolution: int
+    train_images: int  # training samples (held-out ones not counted)
+    batches_per_epoch: int  # micro-batches in one pass over them (`loop.DataOrder.per_epoch`)
+    dataset_hash: str
+    started_at: float  # time.time() when the run started
+    session_id: int
+
+
+def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[str, str]:
+    """The metadata of the LoRA at `steps` (hashes and finish time come at save time:
+    `finish_metadata`). An epoch is one pass over the training samples (`batches_per_epoch`
+    micro-batches: batches never mix aspect buckets, so a bucket's last one may be short);
+    `ss_epoch` counts the whole passes done."""
+    # sd-scripts: the class's module and name, then the keyword arguments given to it
+    optimizer = f"{OPTIMIZER_CLASSES[config.optimizer]}(weight_decay={config.weight_decay})"
+    network_args = {"targets": config.targets, "dropout": config.dropout or None}
+    samples_per_step = config.batch_size * config.gradient_accumulation
+    per_epoch, accumulation = facts.batches_per_epoch, config.gradient_accumulation
+    kohya = {
+        "ss_session_id": str(facts.session_id),
+        "ss_training_started_at": str(facts.started_at),
+        "ss_output_name": facts.output_name,
+        "ss_learning_rate": str(config.learning_rate),
+        "ss_unet_lr": str(config.learning_rate),
+        "ss_text_encoder_lr": "None",  # the text encoders are not trained
+        "ss_num_train_images": str(facts.train_images),
+        "ss_num_reg_images": "0",
+        "ss_num_batches_per_epoch": str(per_epoch),
+        "ss_num_epochs": str(math.ceil(config.steps * accumulation / per_epoch)),
+        "ss_max_train_steps": str(config.steps),
+        "ss_steps": str(steps),
+        "ss_epoch": str(steps * accumulation // per_epoch),  # whole passes done
+        "ss_lr_warmup_steps": str(config.warmup_steps),
+        "ss_lr_scheduler": config.schedule,
+        "ss_optimizer": optimizer,
+        "ss_max_grad_norm": str(config.max_grad_norm),
+        "ss_seed": str(config.seed),
+        "ss_batch_size_per_device": str(config.batch_size),
+        "ss_total_batch_size": str(samples_per_step),
+        "ss_gradient_accumulation_steps": str(config.gradient_accumulation),
+        "ss_gradient_checkpointing": str(config.gradient_checkpointing),
+        "ss_network_module": NETWORK_MODULE,
+        "ss_network_dim": str(config.rank),
+        "ss_network_alpha": str(config.alpha),
+        "ss_network_dropout": str(config.dropout),
+        "ss_network_args": json.dumps(network_args),
+        "ss_base_model_version": BASE_MODEL_VERSION,
+        "ss_v2": "False",
+        "ss_resolution": f"({facts.resolution}, {facts.resolution})",
+        "ss_caption_dropout_rate": str(config.caption_dropout),
+        "ss_ip_noise_gamma": str(config.ip_noise_gamma),
+        "ss_fp8_base": str(config.fp8_mode == "fp8_scaled"),
+        "ss_model_type": "flux",
+        "ss_guidance_scale": str(config.guidance),
+        "ss_timestep_sampling": config.timestep_sampler,
+        "ss_sigmoid_scale": str(config.sigmoid_scale),
+        "ss_discrete_flow_shift": str(config.shift),
+        "ss_logit_mean": str(config.logit_mean),
+        "ss_logit_std": str(config.logit_std),
+        "ss_weighting_scheme": config.loss_weighting,
+        "ss_model_prediction_type": "raw",
+    }
+    spec = {
+        "modelspec.sai_model_spec": MODELSPEC_VERSION,
+        "modelspec.architecture": ARCHITECTURE,
+        "modelspec.implementation": FLUX_IMPLEMENTATION,
+        "modelspec.implementation_version": f"kontext-trainer/{__version__}",
+        "modelspec.title": facts.output_name,
+        "modelspec.resolution": f"{facts.resolution}x{facts.resolution}",
+    }
+    sampler = {"kind": config.timestep_sampler, "weighting": config.loss_weighting}
+    if config.timestep_sampler == "logit_normal":
+        sampler.update(mean=config.logit_mean, std=config.logit_std)
+    elif config.timestep_sampler != "uniform":
+        sampler["sigmoid_scale"] = config.sigmoid_scale
+    if config.timestep_sampler == "shift":
+        sampler["shift"] = config.shift
+    ours = {
+        "layout": config.layout,
+        "targets": config.targets,
+        "sampler": sampler,
+        "trainer_version": __version__,
+        "dataset_hash": facts.dataset_hash,
+        "base_model": facts.base_model,
+        "config": asdict(config),
+    }
+    ours_text = {
+        f"kontext_trainer.{key}": value if isinstance(value, str) else json.dumps(value)
+        for key, value in ours.items()
+    }
+    return {**kohya, **spec, **ours_text}
+
+
+def kohya_hashes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:
+    """(sshs_model_hash, sshs_legacy_hash) as sd-scripts computes them: the file serialised with
+    only the `ss_*` metadata; the model hash is the SHA-256 of everything after the header, the
+    legacy hash the first 8 hex digits of the SHA-256 of the 64 KiB at 1 MiB into the file."""
+    data = serialise(dict(state), {k: v for k, v in metadata.items() if k.startswith("ss_")})
+    header_end = 8 + int.from_bytes(data[:8], "little")
+    model = hashlib.sha256()
+    for start in range(header_end, len(data), _HASH_BLOCK):
+        model.update(data[start : start + _HASH_BLOCK])
+    legacy = hashlib.sha256(data[_LEGACY_OFFSET : _LEGACY_OFFSET + _LEGACY_LENGTH]).hexdigest()[:8]
+    return model.hexdigest(), legacy
+
+
+def finish_metadata(
+    state: Mapping[str, torch.Tensor], metadata: Mapping[str, str], finished_at: float
+) -> dict[str, str]:
+    """`metadata` plus what only the saved tensors and the save time decide."""
+    done = {**metadata, "ss_training_finished_at": str(finished_at)}
+    # local time, whole seconds, no zone: as sd-scripts dates a save
+    done["modelspec.date"] = datetime.datetime.fromtimestamp(int(finished_at)).isoformat()
+    done["sshs_model_hash"], done["sshs_legacy_hash"] = kohya_hashes(state, done)
+    return done
+
+
+def write_lora(
+    path: Path,
+    modules: Mapping[str, LoraModule],
+    metadata: Mapping[str, str],
+    dtype: torch.dtype,
+    finished_at: float,
+) -> Path:
+    """The LoRA file (kohya keys, lora_down / lora_up in `dtype`, the whole metadata), atomically."""
+    state = to_state_dict(modules, dtype)
+    return save_atomic(state, path, finish_metadata(state, metadata, finished_at))
