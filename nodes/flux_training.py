@@ -131,11 +131,11 @@ class FluxLoraSession:
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
-    def save(self, path, metadata: dict[str, str]) -> Path:
-        """Write the current LoRA (kohya keys in the config's save_precision, `metadata` plus the
-        hashes and finish time) atomically to `path`."""
+    def save(self, path, metadata: dict[str, str], modules: Mapping[str, LoraModule] | None = None) -> Path:
+        """Write the current LoRA (or `modules`, already taken from it) atomically to `path`: kohya
+        keys in the config's save_precision, `metadata` plus the hashes and finish time."""
         dtype = lora_file.precision_dtype(self.config.save_precision)
-        return write_lora(Path(path), self.lora.modules(), metadata, dtype, time.time())
+        return write_lora(Path(path), modules or self.lora.modules(), metadata, dtype, time.time())
 
     def loss(self, samples, generator: torch.Generator) -> torch.Tensor:
         """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`)."""

@@ -132,28 +132,28 @@ class CheckpointWriter:
         that step in models/loras/<name>_steps/, in the save precision."""
         if step in self.saved:  # e.g. Cancel right after a save_every checkpoint
             return self.saved[step]
-        if snapshot:
-            with self.tracker.timed("checkpoint"):
-                self.save_snapshot(session, step)
-        if self.folder is None:  # a new folder per run: a resume never touches the run it came from
-            self.folder = new_run_folder(self.paths.checkpoints)
+        modules, metadata = session.lora.modules(), training_metadata(self.config, self.facts, step)
         with self.tracker.timed("checkpoint"):
+            if snapshot:
+                self.save_snapshot(session, step, modules, metadata)
+            if self.folder is None:  # a new folder per run: a resume never touches the run it came from
+                self.folder = new_run_folder(self.paths.checkpoints)
             path = save_checkpoint(
                 self.folder,
                 step,
-                session.lora.modules(),
+                modules,
                 result.optimizer,
                 RandomState.capture(result.generator).to_tensors(),
                 result.losses,
                 self.record,
-                training_metadata(self.config, self.facts, step),
+                metadata,
                 validation=result.validation,
             )
             prune(self.folder, self.config.keep_last)
         self.saved[step] = path
         return path
 
-    def save_snapshot(self, session: FluxLoraSession, step: int) -> None:
+    def save_snapshot(self, session: FluxLoraSession, step: int, modules: dict, metadata: dict) -> None:
         """The LoRA at `step` in models/loras/<name>_steps/. A new run's first one clears what an
         earlier run of the name left there (TrainLoRA allowed it: overwrite on), so runs never
         mix; a resumed run continues its run's snapshots. Only this run's are pruned."""
@@ -161,7 +161,7 @@ class CheckpointWriter:
             for earlier in snapshot_steps(self.paths).values():
                 earlier.unlink(missing_ok=True)
         self.paths.snapshots.mkdir(parents=True, exist_ok=True)
-        path = session.save(self.paths.snapshot(step), training_metadata(self.config, self.facts, step))
+        path = session.save(self.paths.snapshot(step), metadata, modules)
         self.snapshots.append(path)
         if self.config.keep_last > 0:
             for old in self.snapshots[: -self.config.keep_last]:

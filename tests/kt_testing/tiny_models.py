@@ -61,17 +61,30 @@ def build_flux_model(
     seed: int,
     dtype: torch.dtype = torch.float32,
     manual_cast_dtype: torch.dtype | None = None,
+    init=seeded_init_,
 ):
-    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`. With
-    `manual_cast_dtype`, weights are stored in `dtype` and computed in that one, as the stock
-    UNETLoader does for weight_dtype fp8."""
+    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`, its weights
+    filled by `init(module, seed)`. With `manual_cast_dtype`, weights are stored in `dtype` and
+    computed in that one, as the stock UNETLoader does for weight_dtype fp8."""
     import comfy.supported_models
 
     model_config = comfy.supported_models.Flux(dict(unet_config))
     model_config.set_inference_dtype(dtype, manual_cast_dtype)
     model = model_config.get_model({})
-    seeded_init_(model.diffusion_model, seed)
+    init(model.diffusion_model, seed)
     return model.eval()
+
+
+def flux_patcher(model):
+    """A MODEL (ModelPatcher) around a `comfy.model_base.Flux`, as a stock loader hands it over."""
+    import comfy.model_management
+    import comfy.model_patcher
+
+    return comfy.model_patcher.ModelPatcher(
+        model,
+        load_device=comfy.model_management.get_torch_device(),
+        offload_device=comfy.model_management.unet_offload_device(),
+    )
 
 
 def tiny_flux_patcher(
@@ -81,15 +94,7 @@ def tiny_flux_patcher(
     **overrides,
 ):
     """A MODEL (ModelPatcher) around a tiny Flux, as a stock loader would hand it over."""
-    import comfy.model_management
-    import comfy.model_patcher
-
-    model = build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype, manual_cast_dtype)
-    return comfy.model_patcher.ModelPatcher(
-        model,
-        load_device=comfy.model_management.get_torch_device(),
-        offload_device=comfy.model_management.unet_offload_device(),
-    )
+    return flux_patcher(build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype, manual_cast_dtype))
 
 
 def small_flux_vae(seed: int = 0):

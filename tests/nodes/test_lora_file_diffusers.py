@@ -28,10 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from demo_assets import DEMO_FLUX_CONFIG
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
 from kt_testing.graphs import dataset_inputs
-from kt_testing.tiny_models import small_flux_vae, tiny_clip
+from kt_testing.tiny_models import build_flux_model, flux_patcher, small_flux_vae, tiny_clip
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
 from trainer_core.lora_metadata import RunFacts, training_metadata, write_lora
@@ -39,23 +40,7 @@ from trainer_core.lora_targets import target_module_names
 
 # FLUX.1's width (diffusers' kohya converter needs it), the least depth; context 48 / pooled 32
 # as the tiny CLIP makes them (ComfyUI's Flux uses the first vec_in_dim pooled values).
-FLUX_3072_CONFIG = {
-    "image_model": "flux",
-    "in_channels": 16,
-    "out_channels": 16,
-    "vec_in_dim": 32,
-    "context_in_dim": 48,
-    "hidden_size": 3072,
-    "mlp_ratio": 4.0,
-    "num_heads": 24,
-    "depth": 1,
-    "depth_single_blocks": 1,
-    "axes_dim": [16, 56, 56],
-    "theta": 10000,
-    "patch_size": 2,
-    "qkv_bias": True,
-    "guidance_embed": True,
-}
+FLUX_3072_CONFIG = {**DEMO_FLUX_CONFIG, "vec_in_dim": 32, "context_in_dim": 48}
 # The same model as diffusers configures it (its in_channels are the packed 2x2 patches).
 DIFFUSERS_CONFIG = {
     "patch_size": 1,
@@ -123,25 +108,12 @@ def fill_(module: torch.nn.Module, seed: int) -> None:
 
 def flux_3072(dtype: torch.dtype, seed: int):
     """A `comfy.model_base.Flux` with the config above, built by ComfyUI's own classes."""
-    import comfy.supported_models
-
-    model_config = comfy.supported_models.Flux(dict(FLUX_3072_CONFIG))
-    model_config.set_inference_dtype(dtype, None)
-    model = model_config.get_model({})
-    fill_(model.diffusion_model, seed)
-    return model.eval()
+    return build_flux_model(FLUX_3072_CONFIG, seed, dtype, init=fill_)
 
 
 def flux_3072_patcher(seed: int):
     """The MODEL a loader would hand over (fp32: bf16 matmuls are far too slow on this CPU)."""
-    import comfy.model_management
-    import comfy.model_patcher
-
-    return comfy.model_patcher.ModelPatcher(
-        flux_3072(torch.float32, seed),
-        load_device=comfy.model_management.get_torch_device(),
-        offload_device=comfy.model_management.unet_offload_device(),
-    )
+    return flux_patcher(flux_3072(torch.float32, seed))
 
 
 @dataclasses.dataclass

@@ -125,10 +125,7 @@ def test_steps_and_epochs_by_hand():
 
 
 def test_model_spec(tmp_path):
-    path = write_lora(
-        tmp_path / "x.safetensors", _modules(8), training_metadata(config(), FACTS, 5), torch.float32, 1.5e9
-    )
-    _, metadata = load(path)
+    _, metadata = load(_saved(tmp_path, 8, torch.float32))
     assert metadata["modelspec.sai_model_spec"] == "1.0.1"
     assert metadata["modelspec.architecture"] == "flux-1-dev/lora"
     assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux"
@@ -166,19 +163,20 @@ def _modules(in_features: int) -> dict[str, LoraModule]:
     }
 
 
+def _saved(tmp_path, in_features: int, dtype: torch.dtype):
+    """A LoRA file written at 1.5e9 s (2017-07-14) with the metadata of 5 steps of `config()`."""
+    return write_lora(
+        tmp_path / "x.safetensors", _modules(in_features), training_metadata(config(), FACTS, 5), dtype, 1.5e9
+    )
+
+
 def _data_section(raw: bytes) -> bytes:
     (header_length,) = struct.unpack("<Q", raw[:8])
     return raw[8 + header_length :]
 
 
 def test_hashes_of_a_small_file_by_hand(tmp_path):
-    path = write_lora(
-        tmp_path / "x.safetensors",
-        _modules(100),
-        training_metadata(config(), FACTS, 5),
-        torch.bfloat16,
-        1.5e9,
-    )
+    path = _saved(tmp_path, 100, torch.bfloat16)
     raw = path.read_bytes()
     _, metadata = load(path)
     assert metadata["ss_training_finished_at"] == "1500000000.0"
@@ -188,13 +186,7 @@ def test_hashes_of_a_small_file_by_hand(tmp_path):
 
 
 def test_hashes_of_a_file_over_a_mebibyte_by_hand(tmp_path):
-    path = write_lora(
-        tmp_path / "x.safetensors",
-        _modules(70_000),
-        training_metadata(config(), FACTS, 5),
-        torch.float32,
-        1.5e9,
-    )
+    path = _saved(tmp_path, 70_000, torch.float32)
     tensors, metadata = load(path)
     raw = path.read_bytes()
     assert len(raw) > 0x110000
