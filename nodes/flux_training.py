@@ -137,10 +137,17 @@ class FluxLoraSession:
         dtype = lora_file.precision_dtype(self.config.save_precision)
         return write_lora(Path(path), modules or self.lora.modules(), metadata, dtype, time.time())
 
-    def loss(self, samples, generator: torch.Generator) -> torch.Tensor:
-        """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`)."""
+    def loss(self, samples, generator: torch.Generator, rows: slice | None = None) -> torch.Tensor:
+        """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`);
+        `rows`: data parallel, this process's rows of the global batch `samples`."""
         return flow_matching_loss(
-            self.predict, samples, self.config, generator, self.empty_text, self.diffusion_model.patch_size
+            self.predict,
+            samples,
+            self.config,
+            generator,
+            self.empty_text,
+            self.diffusion_model.patch_size,
+            rows,
         )
 
 

@@ -3,27 +3,35 @@
 The node validates the whole folder first (every problem in one message, nothing written
 on failure), then encodes what the cache does not already hold with the user's VAE and
 CLIP, showing progress, and outputs a KONTEXT_DATASET for TrainLoRA and PreviewSampler.
+Its widgets are generated from `DatasetOptions`; `load_dataset` does the work (the node and
+headless runs call it).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from comfy_api.latest import io
 
 from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
 from ..trainer_core.dataset_files import folder_fingerprint, scan_dataset
+from ..trainer_core.dataset_options import (  # USE_PATH etc. stay importable from here
+    BACKGROUNDS,
+    CACHE_FOLDER_NAME,
+    INPUT_SUBFOLDERS,
+    USE_PATH,
+    DatasetOptions,
+)
 from ..trainer_core.encode_cache import EncodeCache
-from ..trainer_core.sizing import MAX_SIDE
 from .comfy_encoders import comfy_encoders
 from .extension_ids import node_id
+from .widgets import config_widget
 
 Dataset = io.Custom("KONTEXT_DATASET")
-USE_PATH = "(absolute path below)"
-CACHE_FOLDER_NAME = "kontext_trainer_cache"
-BACKGROUNDS = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0), "gray": (0.5, 0.5, 0.5)}
 LOGGER = logging.getLogger("kontext_trainer")
 
 
@@ -95,11 +103,45 @@ def summary(dataset: KontextDataset) -> str:
     return "\n".join(lines)
 
 
+def dataset_widgets() -> list:
+    """DatasetOptions' widgets; `folder` offers the input directory's subfolders of the moment."""
+    import folder_paths
+
+    dynamic = {INPUT_SUBFOLDERS: lambda: [USE_PATH, *folder_paths.get_input_subfolders()]}
+    return [config_widget(option, dynamic) for option in dataclasses.fields(DatasetOptions)]
+
+
+def load_dataset(
+    vae, clip, options: DatasetOptions, progress: Callable[[int, int], None] | None = None
+) -> tuple[KontextDataset, str]:
+    """The dataset `options` describe, encoded with `vae` and `clip` (ComfyUI's VAE and CLIP),
+    and its report. Folders resolve against ComfyUI's input and output directories. The whole
+    folder is validated first (every problem in one ValueError, nothing written); `progress(done,
+    total)` follows the encoding."""
+    import folder_paths
+
+    root = resolve_dataset_folder(options.folder, options.path, Path(folder_paths.get_input_directory()))
+    cache_root = resolve_cache_folder(options.cache_folder, Path(folder_paths.get_output_directory()))
+    scan = scan_dataset(root, min_size=options.min_size)  # raises with every problem; nothing written
+    prepare_cache_folder(cache_root)
+    settings = DatasetSettings(
+        options.resolution,
+        options.reference_resolution,
+        BACKGROUNDS[options.background],
+        options.hold_out,
+        options.seed,
+    )
+    dataset = build_dataset(
+        scan, comfy_encoders(vae, clip), EncodeCache(cache_root), settings, progress=progress
+    )
+    report = summary(dataset)
+    LOGGER.info("LoadKontextDataset %s:\n%s", root, report)
+    return dataset, report
+
+
 class LoadKontextDataset(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        import folder_paths
-
         return io.Schema(
             node_id=node_id("LoadKontextDataset"),
             display_name="LoadKontextDataset",
@@ -109,66 +151,7 @@ class LoadKontextDataset(io.ComfyNode):
             inputs=[
                 io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
                 io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),
-                io.Combo.Input(
-                    "folder",
-                    options=[USE_PATH, *folder_paths.get_input_subfolders()],
-                    default=USE_PATH,
-                    tooltip="A folder of ComfyUI's input directory holding the dataset.",
-                ),
-                io.String.Input(
-                    "path", default="", tooltip="Or an absolute path to the dataset folder (wins if set)."
-                ),
-                io.Int.Input(
-                    "resolution",
-                    default=1024,
-                    min=128,
-                    max=2048,
-                    step=64,
-                    tooltip="Targets are scaled to about this many pixels squared, aspect kept, sides "
-                    "multiples of 16; each distinct size is a bucket and batches never mix buckets.",
-                ),
-                io.Int.Input(
-                    "reference_resolution",
-                    default=1024,
-                    min=0,
-                    max=MAX_SIDE,
-                    step=16,
-                    tooltip="References are sized exactly as MultiImageConditioning sizes them at "
-                    "inference (same rule, same number); 0 keeps their size, cropped to multiples of 16.",
-                ),
-                io.Int.Input(
-                    "min_size",
-                    default=256,
-                    min=0,
-                    max=MAX_SIDE,
-                    tooltip="Images whose shorter side is below this many pixels are reported as problems.",
-                ),
-                io.Combo.Input(
-                    "background",
-                    options=list(BACKGROUNDS),
-                    default="white",
-                    tooltip="Transparent pixels are composited onto this colour.",
-                ),
-                io.Int.Input(
-                    "hold_out",
-                    default=0,
-                    min=0,
-                    max=10000,
-                    tooltip="Samples kept out of training for validation.",
-                ),
-                io.Int.Input(
-                    "seed",
-                    default=0,
-                    min=0,
-                    max=2**31 - 1,
-                    control_after_generate=False,  # a dataset split must not change between runs
-                    tooltip="Chooses the held-out samples.",
-                ),
-                io.String.Input(
-                    "cache_folder",
-                    default="",
-                    tooltip=f"Where latents and embeddings are cached; empty = output/{CACHE_FOLDER_NAME}.",
-                ),
+                *dataset_widgets(),
             ],
             outputs=[
                 Dataset.Output(display_name="dataset"),
@@ -187,38 +170,12 @@ class LoadKontextDataset(io.ComfyNode):
         return folder_fingerprint(root)
 
     @classmethod
-    def execute(
-        cls,
-        vae,
-        clip,
-        folder,
-        path,
-        resolution,
-        reference_resolution,
-        min_size,
-        background,
-        hold_out,
-        seed,
-        cache_folder,
-    ) -> io.NodeOutput:
+    def execute(cls, vae, clip, **options) -> io.NodeOutput:
         import comfy.utils
-        import folder_paths
 
-        root = resolve_dataset_folder(folder, path, Path(folder_paths.get_input_directory()))
-        cache_root = resolve_cache_folder(cache_folder, Path(folder_paths.get_output_directory()))
-        if background not in BACKGROUNDS:
-            raise ValueError(f"background: choose one of {', '.join(BACKGROUNDS)}")
-        scan = scan_dataset(root, min_size=min_size)  # raises with every problem; nothing written
-        prepare_cache_folder(cache_root)
-        settings = DatasetSettings(resolution, reference_resolution, BACKGROUNDS[background], hold_out, seed)
+        options = DatasetOptions(**options)
         bar = comfy.utils.ProgressBar(1)
-        dataset = build_dataset(
-            scan,
-            comfy_encoders(vae, clip),
-            EncodeCache(cache_root),
-            settings,
-            progress=lambda done, total: bar.update_absolute(done, total),
+        dataset, report = load_dataset(
+            vae, clip, options, progress=lambda done, total: bar.update_absolute(done, total)
         )
-        report = summary(dataset)
-        LOGGER.info("LoadKontextDataset %s:\n%s", root, report)
         return io.NodeOutput(dataset, report)

@@ -28,6 +28,7 @@ from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
 from .training_run import Run, run_training
+from .widgets import config_widget
 
 NO_RESUME = "none"
 NO_START = "none"
@@ -37,26 +38,6 @@ LOGGER = logging.getLogger("kontext_trainer")
 # {"loss": [...], "validation_step": [...], "validation_loss": [...]}: the type ComfyUI's own
 # LossGraphNode reads (it draws "loss")
 LossMap = io.Custom("LOSS_MAP")
-
-
-def config_widget(config_field: dataclasses.Field):
-    """The widget for one TrainConfig field. Advanced ones are hidden until the node's "Show
-    Advanced" (right-click menu; the frontend's own grouping): their values still save and run."""
-    meta, default = config_field.metadata, config_field.default
-    name, tooltip = config_field.name, meta["tooltip"]
-    # added later: optional, so API prompts written before they existed still run (on defaults)
-    common = {"default": default, "tooltip": tooltip, "optional": meta["appended"] != ORIGINAL}
-    if "options" in meta:
-        widget = io.Combo.Input(name, options=list(meta["options"]), **common)
-    elif isinstance(default, bool):
-        widget = io.Boolean.Input(name, **common)
-    else:
-        limits = {k: meta[k] for k in ("min", "max", "step", "control_after_generate") if k in meta}
-        kind = io.Int if isinstance(default, int) else io.Float
-        widget = kind.Input(name, **common, **limits)
-    if meta["advanced"]:  # these Input classes take no extra_dict argument; as_dict reads it
-        widget.extra_dict = {"advanced": True}
-    return widget
 
 
 def config_widgets(appended: int) -> list:

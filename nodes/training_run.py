@@ -26,13 +26,14 @@ import torch
 from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
+from ..trainer_core.distributed import Collective
 from ..trainer_core.flow_step import Sample
 from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_metadata import RunFacts, training_metadata
 from ..trainer_core.resume import run_record, schedule_note
-from ..trainer_core.rng import RandomState
+from ..trainer_core.rng import PER_PROCESS, RandomState, rank_key
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_steps
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
@@ -54,6 +55,16 @@ class Run:
     replaces: bool = False  # the LoRA file exists and the user allowed overwriting it
     temp_dir: Path | None = None  # ComfyUI's temp folder, for previews
     start_from: Path | None = None  # a LoRA file whose weights seed a new run
+    # data parallel (headless under torchrun): this process's place; rank 0 writes every file
+    collective: Collective | None = None
+
+    @property
+    def rank(self) -> int:
+        return self.collective.rank if self.collective is not None else 0
+
+    @property
+    def world_size(self) -> int:
+        return self.collective.world_size if self.collective is not None else 1
 
 
 @dataclass
@@ -116,22 +127,48 @@ class SampleCache:
 
 class CheckpointWriter:
     """This run's checkpoints: a folder of its own (made at the first save, so a run that
-    fails early leaves none), at most one per step, the newest `keep_last` kept."""
+    fails early leaves none), at most one per step, the newest `keep_last` kept. Data
+    parallel: every process calls `save` (each one's random state goes into the checkpoint);
+    rank 0 writes, the others get None."""
 
     def __init__(
-        self, paths: LoraPaths, config: TrainConfig, record: dict, facts: RunFacts, tracker, resuming: bool
+        self,
+        paths: LoraPaths,
+        config: TrainConfig,
+        record: dict,
+        facts: RunFacts,
+        tracker,
+        resuming: bool,
+        collective: Collective | None = None,
     ):
         self.paths, self.config, self.record, self.facts = paths, config, record, facts
-        self.tracker, self.resuming = tracker, resuming
+        self.tracker, self.resuming, self.collective = tracker, resuming, collective
         self.folder: Path | None = None
         self.saved: dict[int, Path] = {}
         self.snapshots: list[Path] = []  # this run's, oldest first
 
-    def save(self, session: FluxLoraSession, step: int, result: TrainResult, snapshot: bool = False) -> Path:
+    def random_states(self, result: TrainResult) -> dict[str, torch.Tensor]:
+        """Every process's random states (a collective: all processes call it together)."""
+        tensors = RandomState.capture(result.generator).to_tensors()
+        if self.collective is None:
+            return tensors
+        for name in PER_PROCESS:  # the same names on every process (CUDA on all or on none)
+            if name in tensors:
+                gathered = self.collective.gather(tensors[name], "saving every process's random state")
+                tensors |= {rank_key(rank, name): value for rank, value in enumerate(gathered) if rank}
+        return tensors
+
+    def save(
+        self, session: FluxLoraSession, step: int, result: TrainResult, snapshot: bool = False
+    ) -> Path | None:
         """The checkpoint at `step`; with `snapshot` (the `save_every` steps) also the LoRA at
         that step in models/loras/<name>_steps/, in the save precision."""
         if step in self.saved:  # e.g. Cancel right after a save_every checkpoint
             return self.saved[step]
+        rng = self.random_states(result)
+        if self.collective is not None and self.collective.rank != 0:
+            self.saved[step] = None
+            return None
         modules, metadata = session.lora.modules(), training_metadata(self.config, self.facts, step)
         with self.tracker.timed("checkpoint"):
             if snapshot:
@@ -143,7 +180,7 @@ class CheckpointWriter:
                 step,
                 modules,
                 result.optimizer,
-                RandomState.capture(result.generator).to_tensors(),
+                rng,
                 result.losses,
                 self.record,
                 metadata,
@@ -244,11 +281,12 @@ def run_training(
     import comfy.model_management
 
     interrupted = comfy.model_management.InterruptProcessingException
-    paths = run.paths
+    paths, collective, writes = run.paths, run.collective, run.rank == 0
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
     if not dataset.entries:
         raise ValueError("the dataset has no training samples (all held out?)")
-    remove_stale_partials(paths)
+    if writes:
+        remove_stale_partials(paths)
     resume = load_checkpoint(run.resume) if run.resume is not None else None
     initial = (
         resume.lora if resume else (seed_lora(run.start_from, model, config) if run.start_from else None)
@@ -260,10 +298,11 @@ def run_training(
     held_out = samples.held_out()
     tracker = start_tracking(job, config, resume, preview, validates=bool(held_out))
     estimate = announce_estimate(job, tracker, model, dataset, config, paths)
-    record = run_record(config, dataset.content_hash)
+    record = run_record(config, dataset.content_hash, run.world_size)
     if resume is not None:
         record["resumed_from"] = str(resume.path)
-    order = DataOrder(dataset.buckets(), config.batch_size, config.seed)
+    # data parallel: global batches of world_size x batch_size, each process trains its rows
+    order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
     facts = RunFacts(
         output_name=paths.stem,
         base_model=base_model_name(dataset),
@@ -274,7 +313,9 @@ def run_training(
         started_at=time.time(),
         session_id=secrets.randbits(31),
     )
-    checkpoints = CheckpointWriter(paths, config, record, facts, tracker, resuming=resume is not None)
+    checkpoints = CheckpointWriter(
+        paths, config, record, facts, tracker, resuming=resume is not None, collective=collective
+    )
     previews = PreviewRounds(preview, run, job, tracker) if preview is not None else None
     empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
     # what ComfyUI's loader must leave room for beside the weights
@@ -282,9 +323,13 @@ def run_training(
 
     # 3) train
     with flux_lora_session(model, config, initial, empty_text, memory_required=working_memory) as session:
+        if collective is not None:
+            collective.broadcast_(session.lora.parameters())  # one start, whatever each device drew
+            if collective.rank:  # its own LoRA-dropout draws (rank 0 keeps a single run's)
+                torch.manual_seed(config.seed + 1_000_003 * collective.rank)
         resume_state = None
         if resume is not None:
-            rng = RandomState.from_tensors(resume.rng)
+            rng = RandomState.from_tensors(resume.rng, run.rank)
             rng.restore()  # the global RNG (dropout) continues exactly where it stopped
             resume_state = ResumeState(
                 resume.step, resume.losses, resume.optimizer_state, rng.generator, resume.validation
@@ -308,17 +353,24 @@ def run_training(
                     job.stop_requested.set()  # Cancel pressed while sampling: stop here, cleanly
             return not job.stop_requested.is_set()
 
+        def loss(batch, generator: torch.Generator) -> torch.Tensor:
+            if collective is None:
+                return session.loss(batch, generator)
+            return session.loss(batch, generator, collective.rows(len(batch), config.batch_size))
+
         try:
             result = train(
                 config,
                 session.lora.parameters(),
                 lambda index: [samples.training(i) for i in order(index)],
-                session.loss,
+                loss,
                 on_step,
                 resume_state,
                 on_checkpoint=lambda step, result: checkpoints.save(session, step, result, snapshot=True),
-                stop_on=(interrupted,),
+                # data parallel: stops only at step boundaries, agreed by all processes
+                stop_on=(interrupted,) if collective is None else (),
                 validate=validate if held_out else None,
+                collective=collective,
             )
         except NonFiniteLoss as error:
             job.report(status="error", message=str(error))
@@ -329,16 +381,17 @@ def run_training(
         # 4) a cancelled run ends with a checkpoint to resume from
         if result.stopped_early:
             checkpoint = checkpoints.save(session, result.steps, result)
-            job.report(
-                status="cancelled",
-                message=f"stopped at step {result.steps}; resume from {paths.checkpoint_choice(checkpoint)}",
-            )
+            where = paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
+            job.report(status="cancelled", message=f"stopped at step {result.steps}; resume from {where}")
             return TrainingOutcome(
                 result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
             )
 
         # 5) a finished one with a checkpoint (to continue with more steps), the LoRA, previews
         checkpoints.save(session, config.steps, result)
+        if not writes:
+            job.report(status="finished", message=f"rank {run.rank}: done (rank 0 saved the LoRA)")
+            return TrainingOutcome(result.losses, validation=result.validation)
         saved = session.save(paths.lora, training_metadata(config, facts, config.steps))
         lora_state = _read_back(saved)
         if previews is not None:  # after the LoRA is safe: a Cancel here only skips this round

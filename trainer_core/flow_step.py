@@ -74,7 +74,13 @@ def flow_matching_loss(
     generator: torch.Generator,
     empty_text: EmptyText | None = None,
     patch_size: int = 2,
+    rows: slice | None = None,
 ) -> torch.Tensor:
+    """The batch's mean weighted loss. `rows` (data parallel, see `distributed`): `samples` is
+    the global batch and this process trains only these rows. Every random draw is still made
+    for the whole global batch (so each sample gets the draws it gets in one process) and the
+    result is the rows' share of the global mean: their sum / the global batch size (a zero
+    tensor without gradient when no rows fall to this process)."""
     # 1) pack targets and references (after reference dropout) into one token batch; references
     # stay clean
     samples = drop_references(samples, config.reference_dropout, generator)
@@ -98,7 +104,31 @@ def flow_matching_loss(
         empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
     weights = loss_weights(sigma, config.loss_weighting)
-    return _loss_at(predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma)
+    if rows is None:
+        return _loss_at(predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma)
+    # 5) data parallel: this process's rows, packed on their own (a sample's tokens sit at the
+    # same positions in any batch; only the padding after them differs)
+    chosen = list(range(batch))[rows]
+    if not chosen:
+        return torch.zeros((), dtype=torch.float32)
+    mine = build_token_batch(
+        [samples[i].target for i in chosen],
+        [samples[i].references for i in chosen],
+        config.layout,
+        patch_size,
+    )
+    index, length = torch.tensor(chosen), mine.tokens.shape[1]
+    loss = _loss_at(
+        predict,
+        mine,
+        sigma[index],
+        noise[index.to(noise.device), :length],
+        [texts[i] for i in chosen],
+        weights[index],
+        perturbation[index.to(noise.device), :length] if perturbation is not None else None,
+        config.ip_noise_gamma,
+    )
+    return loss * (len(chosen) / batch)
 
 
 def fixed_noise_loss(

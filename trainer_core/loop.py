@@ -26,6 +26,7 @@ import torch
 
 from .buckets import epoch_batches
 from .config import TrainConfig
+from .distributed import Collective
 from .rng import RandomState
 from .schedule import lr_multiplier
 
@@ -114,11 +115,20 @@ def train(
     on_checkpoint: Callable[[int, TrainResult], None] | None = None,
     stop_on: tuple[type[BaseException], ...] = (),
     validate: Callable[[], float] | None = None,
+    collective: Collective | None = None,
 ) -> TrainResult:
     """`stop_on`: exceptions that mean "stop now" when raised inside a step (ComfyUI's
     interrupt, raised by its ops during compute). The step is abandoned: its gradients are
     dropped and every random state goes back to the step's start, so the result is exactly
-    that of stopping at the previous step boundary."""
+    that of stopping at the previous step boundary.
+
+    `collective` (data parallel, see `distributed`): each process's `loss_fn` returns its
+    rows' share of the global batch loss; the gradients and the loss are summed over the
+    processes before clipping, and a stop asked for on any process (`on_step` returning False)
+    stops all of them after the same step. `stop_on` must then stay empty: a step abandoned
+    on one process alone would leave the others waiting."""
+    if collective is not None and stop_on:
+        raise ValueError("stop_on cannot be used with a collective (see train's docstring)")
     parameters = list(parameters)
     result = TrainResult(optimizer=make_optimizer(config, parameters), generator=torch.Generator())
     optimizer, generator = result.optimizer, result.generator
@@ -145,13 +155,16 @@ def train(
         try:
             for micro in range(accumulation):
                 loss = loss_fn(batch_at(step * accumulation + micro), generator) / accumulation
-                loss.backward()
+                if loss.requires_grad:  # a data-parallel process may have no rows this time
+                    loss.backward()
                 total += float(loss.detach())
         except stop_on:
             optimizer.zero_grad(set_to_none=True)
             boundary.restore(generator)
             result.stopped_early = True
             break
+        if collective is not None:
+            total = collective.sum_gradients(parameters, total)
         if not math.isfinite(total):
             optimizer.zero_grad(set_to_none=True)
             raise NonFiniteLoss(step + 1, total)
@@ -189,7 +202,10 @@ def train(
             and done < config.steps
         ):
             on_checkpoint(done, result)
-        if on_step is not None and on_step(info) is False:
+        stop = on_step is not None and on_step(info) is False
+        if collective is not None and done < config.steps:
+            stop = collective.any(stop)
+        if stop:
             result.stopped_early = done < config.steps
             break
     return result

@@ -24,23 +24,33 @@ RESUME_MUST_MATCH = (
     "ip_noise_gamma",
     "dropout",
     "dataset_hash",
+    "world_size",  # data-parallel processes: the global batch and the saved RNGs are per process
 )
-_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+_DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, "world_size": 1}
 
 
-def run_record(config: TrainConfig, dataset_hash: str) -> dict:
+def run_record(config: TrainConfig, dataset_hash: str, world_size: int = 1) -> dict:
     """What a checkpoint remembers of its run (compared on resume)."""
-    return {**dataclasses.asdict(config), "dataset_hash": dataset_hash}
+    return {**dataclasses.asdict(config), "dataset_hash": dataset_hash, "world_size": world_size}
 
 
-def check_resume(state: dict, config: TrainConfig, dataset_hash: str) -> None:
+def check_resume(state: dict, config: TrainConfig, dataset_hash: str, world_size: int = 1) -> None:
     """Refuse a resume that could not continue the checkpoint's run exactly. `state`: the
     checkpoint's state.json (`checkpoint.read_state`). A setting a checkpoint predates counts
-    as its default (what that run trained with)."""
-    current, saved, step = run_record(config, dataset_hash), state["config"], int(state["step"])
+    as its default (what that run trained with). `world_size`: the data-parallel processes
+    of this run (1 in the graph)."""
+    current = run_record(config, dataset_hash, world_size)
+    saved, step = state["config"], int(state["step"])
     for name in RESUME_MUST_MATCH:
         before = saved.get(name, _DEFAULTS.get(name))
         if before != current[name]:
+            if name == "world_size":
+                raise ValueError(
+                    f"resume_from: the checkpoint was trained by {before} data-parallel process(es) "
+                    f"and this run has {world_size}; resume it with {before} in all (torchrun "
+                    f"--nnodes x --nproc_per_node = {before}; 1 is a plain run or the graph), as the "
+                    "global batch and each process's random state belong to that number"
+                )
             if name == "dataset_hash":
                 raise ValueError(
                     "resume_from: the checkpoint was trained on another dataset (other files, captions, "

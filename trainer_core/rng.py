@@ -37,5 +37,19 @@ class RandomState:
         return tensors
 
     @classmethod
-    def from_tensors(cls, tensors: dict[str, torch.Tensor]) -> RandomState:
-        return cls(tensors["generator"], tensors["cpu"], tensors.get("cuda"))
+    def from_tensors(cls, tensors: dict[str, torch.Tensor], rank: int = 0) -> RandomState:
+        """The states a checkpoint saved for process `rank` (0: the only one of a
+        single-process run)."""
+        if rank_key(rank, "cpu") not in tensors:
+            raise ValueError(f"the checkpoint holds no random state for process {rank}")
+        return cls(tensors["generator"], tensors[rank_key(rank, "cpu")], tensors.get(rank_key(rank, "cuda")))
+
+
+PER_PROCESS = ("cpu", "cuda")  # the global RNGs each data-parallel process has its own of
+
+
+def rank_key(rank: int, name: str) -> str:
+    """Where a checkpoint keeps process `rank`'s `name` state ("cpu", "cuda"): rank 0 (or a
+    single process) under the plain name, the others as `rank<r>.<name>` (the objective's
+    generator is the same on every process and saved once)."""
+    return name if rank == 0 else f"rank{rank}.{name}"

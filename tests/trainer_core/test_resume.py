@@ -36,7 +36,7 @@ CHANGED = {
 
 
 def test_every_setting_that_shapes_the_run_must_match():
-    assert set(CHANGED) | {"dataset_hash"} == set(RESUME_MUST_MATCH)
+    assert set(CHANGED) | {"dataset_hash", "world_size"} == set(RESUME_MUST_MATCH)
     saved = state_of(TrainConfig(steps=4), 2)
     check_resume(saved, TrainConfig(steps=8, learning_rate=5e-5), "d1")  # others may change
     for name, value in CHANGED.items():
@@ -46,6 +46,21 @@ def test_every_setting_that_shapes_the_run_must_match():
         check_resume(saved, TrainConfig(steps=8), "d2")
     with pytest.raises(ValueError, match="at step 2 and steps is 2; raise steps"):
         check_resume(saved, TrainConfig(steps=2), "d1")
+
+
+def test_a_resume_needs_the_same_number_of_data_parallel_processes():
+    saved = {"config": run_record(TrainConfig(steps=4), "d1", world_size=2), "step": 2}
+    check_resume(saved, TrainConfig(steps=8), "d1", world_size=2)
+    for other in (1, 4):
+        with pytest.raises(
+            ValueError, match=rf"trained by 2 data-parallel process\(es\) and this run has {other}"
+        ):
+            check_resume(saved, TrainConfig(steps=8), "d1", world_size=other)
+    single = state_of(TrainConfig(steps=4), 2)
+    del single["config"]["world_size"]  # checkpoints written before data parallelism: one process
+    check_resume(single, TrainConfig(steps=8), "d1")
+    with pytest.raises(ValueError, match="trained by 1 data-parallel"):
+        check_resume(single, TrainConfig(steps=8), "d1", world_size=2)
 
 
 def test_a_checkpoint_from_before_a_setting_existed_counts_as_its_default():

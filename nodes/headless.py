@@ -1,0 +1,357 @@
+"""The headless door: a TOML config (`trainer_core.run_config`) trained without the graph, by
+the same code the nodes run (`trainer_core.cli` boots ComfyUI and calls `train_command`).
+
+1. the model files load through ComfyUI's own loader nodes (UNETLoader, VAELoader, CLIPLoader /
+   DualCLIPLoader), as in the graph;
+2. the dataset loads and encodes as LoadKontextDataset does (`load_dataset`, the same cache);
+   data parallel, the first process of each machine fills the cache while the others wait;
+3. the run is checked as TrainLoRA checks it (name, overwrite, resume, start LoRA) and trains
+   in the same background job (`run_training`): the same LoRA file, snapshots, checkpoints,
+   and the loss chart beside the LoRA;
+4. progress prints as a bar (step, loss, s/step, ETA); Ctrl-C (or torchrun's SIGTERM) stops
+   after the current step with a checkpoint to resume from, as Cancel does in the graph.
+
+Under torchrun every process runs all of this (see `trainer_core.distributed`); rank 0 prints
+and writes the files.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from ..trainer_core import distributed
+from ..trainer_core.atomic import write_atomic
+from ..trainer_core.checkpoint import read_state
+from ..trainer_core.distributed import Collective, PeerLost
+from ..trainer_core.job import MANAGER, Progress, wait_for
+from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
+from ..trainer_core.names import lora_stem
+from ..trainer_core.resume import check_resume
+from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
+from ..trainer_core.run_files import LoraPaths
+from .load_kontext_dataset import load_dataset
+from .train_lora import (
+    NO_RESUME,
+    NO_START,
+    check_existing,
+    checkpoints_root,
+    loras_dir,
+    resolve_resume,
+    resolve_start,
+)
+from .training_run import Run, TrainingOutcome, run_training
+from .workflow_config import config_from_workflow, node_class, workflow_from_config
+
+LOGGER = logging.getLogger("kontext_trainer")
+EXIT_STOPPED = 130  # stopped by Ctrl-C / SIGTERM, with a checkpoint to resume from
+BAR_WIDTH = 24
+
+
+def say(message: str, rank: int = 0) -> None:
+    if rank == 0:
+        print(f"[kontext-trainer] {message}", flush=True)
+
+
+# --- 1) models, through ComfyUI's loader nodes ------------------------------------------------
+
+
+def _model_file(value: str, folder: str, key: str) -> str:
+    """A `[model]` entry as the name ComfyUI's loader takes: a name in the base directory's
+    models/<folder> (or any folder ComfyUI lists for it), or an absolute path, whose folder is
+    added to ComfyUI's list for the run."""
+    import folder_paths
+
+    path = Path(value).expanduser()
+    if path.is_absolute():
+        if not path.is_file():
+            raise ValueError(f"[model] {key}: {path} does not exist; give the path of the file")
+        folder_paths.add_model_folder_path(folder, str(path.parent), is_default=True)
+        found = folder_paths.get_full_path(folder, path.name)
+        if found is None or Path(found).resolve() != path.resolve():
+            raise ValueError(
+                f"[model] {key}: another {path.name} in ComfyUI's {folder} folders hides {path}; "
+                "rename one of them"
+            )
+        return path.name
+    if folder_paths.get_full_path(folder, value) is None:
+        where = ", ".join(folder_paths.get_folder_paths(folder))
+        raise ValueError(
+            f"[model] {key}: '{value}' is not in ComfyUI's {folder} folders ({where}); put it there "
+            "or give its absolute path"
+        )
+    return value
+
+
+def load_models_stock(files: ModelFiles):
+    """(MODEL, VAE, CLIP) exactly as UNETLoader, VAELoader and CLIPLoader / DualCLIPLoader load
+    them in a workflow."""
+    unet = _model_file(files.diffusion_model, "diffusion_models", "diffusion_model")
+    (model,) = node_class("UNETLoader")().load_unet(unet, files.weight_dtype)
+    (vae,) = node_class("VAELoader")().load_vae(_model_file(files.vae, "vae", "vae"))
+    encoders = [_model_file(name, "text_encoders", "text_encoders") for name in files.text_encoders]
+    if len(encoders) == 1:
+        (clip,) = node_class("CLIPLoader")().load_clip(encoders[0], files.clip_type, files.clip_device)
+    else:
+        loader = node_class("DualCLIPLoader")()
+        (clip,) = loader.load_clip(*encoders, files.clip_type, files.clip_device)
+    return model, vae, clip
+
+
+# --- 2) the dataset -----------------------------------------------------------------------------
+
+
+def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None):
+    """LoadKontextDataset's dataset; data parallel, the first process of each machine encodes
+    what the cache lacks while the others wait, then they read it (all cache hits), and all
+    processes must see the same dataset."""
+    first = collective is None or distributed.local_rank() == 0
+    rank = collective.rank if collective is not None else 0
+    dataset = report = None
+    if first:
+        dataset, report = load_dataset(vae, clip, config.dataset, progress=_encode_progress(rank))
+    if collective is not None:
+        collective.barrier("waiting for the dataset cache")
+        if not first:
+            dataset, report = load_dataset(vae, clip, config.dataset)
+        digest = torch.frombuffer(bytearray(dataset.content_hash.encode("ascii")), dtype=torch.uint8)
+        seen = {bytes(t.tolist()).decode("ascii") for t in collective.gather(digest, "comparing datasets")}
+        if len(seen) > 1:
+            raise ValueError(
+                "[dataset]: the processes see different datasets (files, captions or encoders differ "
+                "between machines); give every machine the same dataset folder and model files"
+            )
+    return dataset, report
+
+
+def _encode_progress(rank: int):
+    last = [0.0]
+
+    def progress(done: int, total: int) -> None:
+        now = time.monotonic()
+        if rank == 0 and (done == total or now - last[0] > 2):
+            last[0] = now
+            say(f"dataset: {done}/{total} images and captions ready")
+
+    return progress
+
+
+# --- 3) the run ---------------------------------------------------------------------------------
+
+
+def resume_folder(choice: str) -> Path | None:
+    """`[train] resume_from`: 'none', a checkpoint as TrainLoRA lists it (under the base
+    directory's output/kontext_trainer_checkpoints), or the absolute path of a checkpoint
+    folder (e.g. of another ComfyUI's run)."""
+    path = Path(choice).expanduser()
+    if path.is_absolute():
+        if not path.is_dir():
+            raise ValueError(
+                f"[train] resume_from: {path} is not a checkpoint folder; give a step_NNNNNN folder"
+            )
+        return path
+    return resolve_resume(choice)
+
+
+def start_file(choice: str) -> Path | None:
+    path = Path(choice).expanduser()
+    if choice not in ("", NO_START) and path.is_absolute():
+        if not path.is_file():
+            raise ValueError(f"[train] start_from_lora: {path} does not exist; give a LoRA file")
+        return path
+    return resolve_start(choice)
+
+
+def prepare_run(config: RunConfig, dataset, collective: Collective | None) -> Run:
+    """TrainLoRA's checks, with the config's words in the messages."""
+    import folder_paths
+
+    trainer, world = config.trainer, collective.world_size if collective is not None else 1
+    paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(trainer.lora_name))
+    resume = resume_folder(trainer.resume_from) if trainer.resume_from not in ("", NO_RESUME) else None
+    replaces = check_existing(paths, trainer.overwrite, resuming=resume is not None)
+    if resume is not None:
+        check_resume(read_state(resume), config.train, dataset.content_hash, world)
+    start = start_file(trainer.start_from_lora) if resume is None else None
+    temp = Path(folder_paths.get_temp_directory())
+    return Run(paths, resume, replaces, temp, start, collective)
+
+
+# --- 4) progress and stopping -------------------------------------------------------------------
+
+
+def describe(progress: Progress) -> str:
+    total = max(progress.total, 1)
+    filled = round(BAR_WIDTH * progress.step / total)
+    parts = [f"[{'#' * filled}{'.' * (BAR_WIDTH - filled)}] {progress.step}/{progress.total}"]
+    if progress.loss is not None:
+        parts.append(f"loss {progress.loss:.4f} (avg {progress.smoothed_loss:.4f})")
+    if progress.validation_loss is not None:
+        parts.append(f"val {progress.validation_loss:.4f}@{progress.validation_step}")
+    if progress.seconds_per_step:
+        parts.append(f"{progress.seconds_per_step:.2f} s/step")
+    if progress.eta_seconds is not None:
+        minutes, seconds = divmod(int(progress.eta_seconds), 60)
+        parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
+    return "  ".join(parts)
+
+
+class ProgressPrinter:
+    """The bar on rank 0: redrawn in place on a terminal, else a line per step at most every
+    `interval` seconds (logs stay short)."""
+
+    def __init__(self, rank: int, stream=None, interval: float = 1.0):
+        self.rank, self.stream, self.interval = rank, stream or sys.stdout, interval
+        self.tty = self.stream.isatty()
+        self._last = ""
+        self._printed_at = 0.0
+
+    def __call__(self, progress: Progress) -> None:
+        if self.rank != 0 or progress.status == "queued" or progress.loss is None:
+            return
+        line, now, final = describe(progress), time.monotonic(), progress.status != "running"
+        if line == self._last or (not final and not self.tty and now - self._printed_at < self.interval):
+            return
+        self._last, self._printed_at = line, now
+        if self.tty:
+            self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
+        else:
+            self.stream.write(line + "\n")
+        self.stream.flush()
+
+
+class StopOnSignal:
+    """SIGINT (Ctrl-C) and SIGTERM (what torchrun sends its processes when it is stopped) ask
+    the run to stop after the current step and write a checkpoint, as Cancel does; a second
+    one quits at once."""
+
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+    def __init__(self, rank: int):
+        self.rank, self.requested = rank, threading.Event()
+        self._previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for kind in self.SIGNALS:
+                self._previous[kind] = signal.signal(kind, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for kind, previous in self._previous.items():
+            signal.signal(kind, previous)
+
+    def _handle(self, number, frame) -> None:
+        if self.requested.is_set():
+            os._exit(EXIT_STOPPED)
+        self.requested.set()
+        say(
+            "stopping after this step and writing a checkpoint (press Ctrl-C again to quit at once)",
+            self.rank,
+        )
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+def train(config: RunConfig, load_models=None, timeout_minutes: float = 30.0, use_cuda: bool = False) -> int:
+    collective = distributed.start(use_cuda, timeout_seconds=timeout_minutes * 60)
+    rank = collective.rank if collective is not None else 0
+    try:
+        return _train(config, load_models or load_models_stock, collective)
+    except PeerLost as error:
+        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        distributed.stop(collective)
+        if rank == 0:
+            sys.stdout.flush()
+
+
+def _train(config: RunConfig, load_models, collective: Collective | None) -> int:
+    rank = collective.rank if collective is not None else 0
+    world = collective.world_size if collective is not None else 1
+    if world > 1:
+        say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
+    with StopOnSignal(rank) as stop:
+        say("loading the model files with ComfyUI's loaders", rank)
+        model, vae, clip = load_models(config.model)
+        dataset, report = prepare_dataset(vae, clip, config, collective)
+        say("dataset:\n  " + report.replace("\n", "\n  "), rank)
+        run = prepare_run(config, dataset, collective)
+        if run.resume is not None:
+            say(f"resuming {run.resume}", rank)
+        printer = ProgressPrinter(rank)
+
+        def on_poll(progress: Progress) -> None:
+            printer(progress)
+            if stop.requested.is_set():
+                job.stop_requested.set()
+
+        job = MANAGER.start(
+            run.paths.stem, lambda job: run_training(job, model, dataset, config.train, run, None)
+        )
+        outcome: TrainingOutcome = wait_for(job, on_poll, lambda: None)
+    return _finish(run, outcome, rank)
+
+
+def _finish(run: Run, outcome: TrainingOutcome, rank: int) -> int:
+    paths = run.paths
+    if outcome.cancelled:
+        if rank == 0 and outcome.checkpoint is not None:
+            say(f"stopped after step {len(outcome.losses)}; checkpoint {outcome.checkpoint}")
+            say(f'to resume, set resume_from = "{paths.checkpoint_choice(outcome.checkpoint)}" in [train]')
+        return EXIT_STOPPED
+    if rank == 0:
+        chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
+        save_png_atomic(chart, paths.loss_chart)
+        say(f"LoRA saved: {paths.lora}")
+        say(f"loss chart: {paths.loss_chart}")
+        if outcome.losses:
+            say(f"loss at the start {outcome.losses[0]:.4f}, at the end {outcome.losses[-1]:.4f}")
+    return 0
+
+
+def train_command(options, load_models=None) -> int:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        config = load_run_config(options.config)
+        return train(
+            config,
+            load_models,
+            options.timeout_minutes,
+            use_cuda=not options.cpu and torch.cuda.is_available(),
+        )
+    except ValueError as error:
+        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        return 2
+
+
+def convert_command(options) -> int:
+    try:
+        if options.command == "config":
+            import folder_paths
+
+            data = json.loads(Path(options.from_workflow).read_text(encoding="utf-8"))
+            base = Path(folder_paths.base_path)
+            config = config_from_workflow(data, base, options.node)
+            text = dump_run_config(config)
+        else:
+            text = json.dumps(workflow_from_config(load_run_config(options.config)), indent=2) + "\n"
+    except (OSError, ValueError) as error:
+        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        return 2
+    if options.output is None:
+        sys.stdout.write(text)
+    else:
+        write_atomic(Path(options.output), lambda path: path.write_text(text, encoding="utf-8"))
+        say(f"wrote {options.output}")
+    return 0

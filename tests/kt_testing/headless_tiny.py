@@ -1,0 +1,31 @@
+"""`python -m trainer_core` for the tests: the same command (`trainer_core.cli.main`: boot,
+config, dataset, data parallel, training, files, progress, signals), with the stock loaders
+replaced by the tiny models the test nodes build (KTTest_TinyFluxModel seed 3,
+KTTest_SmallFluxVAE seed 1, KTTest_TinyCLIP seed 2): no stock loader detects a Flux that small.
+
+    python tests/kt_testing/headless_tiny.py train --config run.toml --cpu
+    python -m torch.distributed.run --nproc_per_node 2 tests/kt_testing/headless_tiny.py train ...
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+for folder in (ROOT, ROOT / "tests", ROOT / "scripts"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+
+from trainer_core.cli import main  # noqa: E402
+
+
+def load_tiny_models(files):
+    """(MODEL, VAE, CLIP) as the test nodes make them; `files` (the config's [model]) unused."""
+    from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
+
+    return tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
+
+
+if __name__ == "__main__":
+    sys.exit(main(load_models=load_tiny_models))

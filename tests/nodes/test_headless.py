@@ -1,0 +1,200 @@
+"""The headless command (`python -m trainer_core train --config run.toml`) as a user runs it:
+a subprocess booting ComfyUI without a server, with a config written by hand. The models are
+the test nodes' tiny ones (`kt_testing/headless_tiny.py`; the stock loaders' path is
+tests/nodes/test_headless_stock.py); everything else is the command's own code.
+
+Checked: it trains what the graph trains (same losses as TrainLoRA in ComfyUI's executor) and
+writes the node's files; Ctrl-C stops with a checkpoint and the resume gives exactly the
+uninterrupted run; checkpoints cross between the graph and the command both ways; a bad
+config names the key and the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.executor import InGraph, run_node
+from kt_testing.headless import (
+    DATASET,
+    PROGRESS,
+    TRAIN,
+    checkpoints,
+    command,
+    environment,
+    final_state,
+    run,
+    write_config,
+)
+from kt_testing.paths import REPO_ROOT
+from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
+
+STEPS = 40  # long enough for a Ctrl-C to land mid-run
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("headless")
+    dataset = write_one_folder(root / "data", ["a", "b", "c", "d", "e"], references=1, size=(64, 64))
+    return type(
+        "Files", (), {"root": root, "dataset": dataset, "cache": root / "cache", "base": root / "base"}
+    )
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(files):
+    config = write_config(
+        files.root / "full.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "full", "steps": STEPS},
+    )
+    result = run(command(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (final,) = [c for c in checkpoints(files.base, "full") if c.name == f"step_{STEPS:06d}"]
+    return result, *final_state(final)
+
+
+def graph_train(comfy_runtime, files, name: str, steps: int, resume: str = "none", overwrite=False) -> dict:
+    """TrainLoRA (and LoadKontextDataset) through ComfyUI's executor with the tiny models, the
+    same dataset and settings as the configs here."""
+    inputs = {
+        "vae": InGraph(lambda: small_flux_vae(seed=1)),
+        "clip": InGraph(lambda: tiny_clip(seed=2)),
+        "folder": "(absolute path below)",
+        "path": str(files.dataset),
+        "background": "white",
+        "hold_out": 0,
+        "seed": 0,
+        "cache_folder": str(files.cache),
+        **DATASET,
+    }
+    dataset = run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
+    config = comfy_runtime.pack_module.trainer_core.config.TrainConfig
+    settings = {f.name: f.default for f in dataclasses.fields(config)} | TRAIN | {"steps": steps}
+    train = {
+        "model": InGraph(lambda: tiny_flux_patcher(seed=3)),
+        "dataset": dataset,
+        "lora_name": name,
+        "overwrite": overwrite,
+        "resume_from": resume,
+        **settings,
+    }
+    return run_node("KontextTrainer_TrainLoRA", train, node_id="9").ui
+
+
+def test_trains_what_the_graph_trains_and_writes_its_files(uninterrupted, files, comfy_runtime):
+    result, losses, lora = uninterrupted
+    assert len(losses) == STEPS
+    loras = files.base / "models" / "loras"
+    assert (loras / "full.safetensors").is_file() and (loras / "full_loss.png").is_file()
+    assert f"LoRA saved: {loras / 'full.safetensors'}" in result.stdout
+    bar = [line for line in result.stdout.splitlines() if PROGRESS.match(line)]
+    assert bar and re.search(rf"\] {STEPS}/{STEPS}  loss [\d.]+ \(avg [\d.]+\)  [\d.]+ s/step  ETA", bar[-1])
+    assert all(key.startswith("lora_unet_") for key in lora)
+    # the graph, 6 steps of the same run: the same losses (other threads: fp32 tolerance)
+    graph = graph_train(comfy_runtime, files, "graph_same", steps=6)
+    assert graph["loss"] == pytest.approx(losses[:6], rel=1e-5)
+
+
+def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
+    _, losses, lora = uninterrupted
+    config = write_config(
+        files.root / "stop.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "stop", "steps": STEPS},
+    )
+    process = subprocess.Popen(
+        command(config),
+        cwd=REPO_ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    output = []
+    for line in process.stdout:
+        output.append(line)
+        if PROGRESS.match(line):  # training has started: Ctrl-C
+            process.send_signal(signal.SIGINT)
+            break
+    output += process.stdout.readlines()
+    assert process.wait(timeout=120) == 130, "".join(output)
+    text = "".join(output)
+    assert "stopping after this step and writing a checkpoint" in text
+    choice = re.search(r'set resume_from = "(stop/[^"]+/step_(\d+))" in \[train\]', text)
+    assert choice is not None, text
+    stopped_at = int(choice.group(2))
+    assert 0 < stopped_at < STEPS
+    assert not (files.base / "models" / "loras" / "stop.safetensors").exists()  # as Cancel: no LoRA
+    resumed = write_config(
+        files.root / "resume.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "stop", "steps": STEPS, "resume_from": choice.group(1)},
+    )
+    result = run(command(resumed))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert (
+        f"resuming {files.base / 'output' / 'kontext_trainer_checkpoints' / choice.group(1)}" in result.stdout
+    )
+    final = checkpoints(files.base, "stop")[-1]
+    resumed_losses, resumed_lora = final_state(final)
+    assert resumed_losses == losses  # exactly: the same process setup, one step boundary apart
+    for key, value in lora.items():
+        assert torch.equal(resumed_lora[key], value), key
+
+
+def test_checkpoints_cross_between_the_graph_and_the_command(uninterrupted, files, comfy_runtime):
+    """A graph run continued headless, and that headless run continued in the graph: both
+    follow the uninterrupted run."""
+    _, losses, _ = uninterrupted
+    base = comfy_runtime.base_dir  # the command works in the running ComfyUI's folders
+    graph = graph_train(comfy_runtime, files, "cross", steps=3)
+    assert graph["loss"] == pytest.approx(losses[:3], rel=1e-5)
+    (graph_checkpoint,) = checkpoints(base, "cross")
+    config = write_config(
+        files.root / "cross.toml",
+        base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "cross", "steps": 6, "overwrite": True, "resume_from": str(graph_checkpoint)},
+    )
+    result = run(command(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    headless_checkpoint = checkpoints(base, "cross")[-1]
+    headless_losses, _ = final_state(headless_checkpoint)
+    assert headless_losses == pytest.approx(losses[:6], rel=1e-5)
+    # and back: the graph lists the command's checkpoint and continues it
+    choice = headless_checkpoint.relative_to(base / "output" / "kontext_trainer_checkpoints").as_posix()
+    node = comfy_runtime.pack_module.nodes.train_lora
+    assert choice in node.resume_choices()
+    graph = graph_train(comfy_runtime, files, "cross", steps=9, resume=choice, overwrite=True)
+    assert graph["loss"] == pytest.approx(losses[:9], rel=1e-5)
+
+
+def test_a_bad_config_names_the_key_and_the_fix(files):
+    config = write_config(
+        files.root / "bad.toml", files.base, files.dataset, files.cache, {"lora_name": "bad", "stepz": 5}
+    )
+    result = run(command(config))
+    assert result.returncode != 0
+    assert "[train] stepz" in result.stderr and "steps" in result.stderr, result.stderr
+    missing = write_config(
+        files.root / "missing.toml", files.base, files.root / "nowhere", files.cache, {"lora_name": "bad"}
+    )
+    started = time.monotonic()
+    result = run(command(missing))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert str(files.root / "nowhere") in result.stderr, result.stderr
+    assert time.monotonic() - started < 120

@@ -1,0 +1,143 @@
+"""Data parallel training with torchrun on CPU (gloo), through the headless command with the
+tiny test models (`kt_testing/headless_tiny.py`).
+
+- 2 processes x batch 1 train exactly what 1 process with batch 2 trains (losses and LoRA,
+  fp32 tolerance): the dataset's 5 training samples make every epoch end on a global batch of
+  one, where the second process has no rows; a held-out sample is validated on both;
+- the same with two single-process torchrun launchers joined over a loopback rendezvous
+  (`--nnodes 2`), standing in for two machines;
+- killing one process stops the other within a bounded time, with a message;
+- a checkpoint of 2 processes is not resumed by 1.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import psutil
+import pytest
+import torch
+
+from comfy_server import free_port
+from kt_testing.datasets import write_one_folder
+from kt_testing.headless import (
+    PROGRESS,
+    checkpoints,
+    command,
+    environment,
+    final_state,
+    run,
+    torchrun,
+    write_config,
+)
+from kt_testing.paths import REPO_ROOT
+
+STEPS = 6
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("parallel")
+    dataset = write_one_folder(root / "data", list("abcdef"), references=1, size=(64, 64))
+
+    def config(name: str, batch_size: int = 1, **train):
+        settings = {"lora_name": name, "steps": STEPS, "batch_size": batch_size, "save_every": 3, **train}
+        return write_config(
+            root / f"{name}.toml", root / "base", dataset, root / "cache", settings, hold_out=1
+        )
+
+    return type("Files", (), {"root": root, "base": root / "base", "config": staticmethod(config)})
+
+
+@pytest.fixture(scope="module")
+def single(files):
+    """One process, the global batch (2)."""
+    result = run(command(files.config("single", batch_size=2)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return final_state(checkpoints(files.base, "single")[-1])
+
+
+def assert_same_run(files, name: str, single) -> None:
+    losses, lora = final_state(checkpoints(files.base, name)[-1])
+    expected_losses, expected_lora = single
+    assert len(losses) == STEPS
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert lora.keys() == expected_lora.keys()
+    for key, value in expected_lora.items():
+        torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5)
+    # the update did something: the trained up-projections are no longer zero
+    assert any(float(v.abs().max()) > 0 for k, v in lora.items() if k.endswith("lora_up.weight"))
+
+
+def test_two_processes_train_what_one_trains_with_twice_the_batch(files, single):
+    result = run(torchrun(files.config("ranks2"), 2, "--standalone"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "data parallel: 2 processes, global batch 2 x 1" in result.stdout
+    assert result.stdout.count("LoRA saved:") == 1  # rank 0 writes and prints
+    assert_same_run(files, "ranks2", single)
+    rng = checkpoints(files.base, "ranks2")[-1] / "rng.safetensors"
+    from safetensors.torch import load_file
+
+    assert {"generator", "cpu", "rank1.cpu"} <= set(load_file(str(rng)))  # every process's RNG
+
+
+def launch_two_machines(config, port: int) -> list[subprocess.Popen]:
+    launchers = []
+    for node in (0, 1):
+        rendezvous = ("--nnodes=2", f"--node_rank={node}", "--master_addr=127.0.0.1", f"--master_port={port}")
+        launchers.append(
+            subprocess.Popen(
+                torchrun(config, 1, *rendezvous),
+                cwd=REPO_ROOT,
+                env=environment(),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+        )
+    return launchers
+
+
+def test_two_machines_over_a_loopback_rendezvous(files, single):
+    launchers = launch_two_machines(files.config("nodes2"), free_port())
+    outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
+    assert [launcher.returncode for launcher in launchers] == [0, 0], "\n".join(outputs)
+    assert "data parallel: 2 processes" in outputs[0]
+    assert_same_run(files, "nodes2", single)
+
+
+def test_a_dead_process_stops_the_other_with_a_message(files):
+    launchers = launch_two_machines(files.config("dies", steps=100_000), free_port())
+    try:
+        output = []
+        for line in launchers[0].stdout:
+            output.append(line)
+            if PROGRESS.match(line):  # both train: kill the second machine's process
+                break
+        (worker,) = psutil.Process(launchers[1].pid).children(recursive=True)
+        worker.kill()
+        killed = time.monotonic()
+        output += launchers[0].stdout.readlines()
+        launchers[0].wait(timeout=120)
+        stopped_within = time.monotonic() - killed
+    finally:
+        for launcher in launchers:
+            if launcher.poll() is None:
+                launcher.kill()
+            launcher.wait(timeout=30)
+    text = "".join(output)
+    assert launchers[0].returncode != 0
+    assert "rank 0 of 2: summing the gradients with the other ranks failed" in text or (
+        "rank 0 of 2:" in text and "Another rank has stopped" in text
+    ), text
+    assert stopped_within < 60, f"the other process needed {stopped_within:.0f} s to stop"
+
+
+def test_a_checkpoint_of_two_processes_is_not_resumed_by_one(files):
+    if not checkpoints(files.base, "ranks2"):
+        pytest.skip("needs the two-process run's checkpoints")
+    choice = checkpoints(files.base, "ranks2")[0]
+    result = run(command(files.config("resume1", resume_from=str(choice), steps=STEPS + 2)))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "trained by 2 data-parallel process(es) and this run has 1" in result.stderr

@@ -1,0 +1,98 @@
+"""The user's path from the graph to the command line, with the real entry point
+(`python -m trainer_core`) and ComfyUI's stock loaders: the shipped training example
+(UI format, as saved by the frontend) becomes a config, the config trains headless on the
+stock-loadable demo models, and the config becomes an API workflow again."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from demo_assets import ensure_assets, link_into_models
+from demo_dataset import write_demo_dataset
+from kt_testing.headless import environment
+from kt_testing.paths import REPO_ROOT, asset_cache_dir
+
+EXAMPLE = REPO_ROOT / "example_workflows" / "kontext_lora_training.json"
+EXAMPLE_API = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
+
+
+def trainer_core(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "trainer_core", *args],
+        cwd=REPO_ROOT,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A ComfyUI base directory with the demo models in models/ and the demo dataset in input/."""
+    base = tmp_path_factory.mktemp("stock-base")
+    link_into_models(ensure_assets(asset_cache_dir()), base / "models")
+    write_demo_dataset(base / "input" / "kontext_demo")
+    return base
+
+
+def test_example_workflow_to_config_to_workflow(base, tmp_path):
+    config = tmp_path / "run.toml"
+    result = trainer_core(
+        "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(base), "-o", str(config)
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    text = config.read_text()
+    assert f"base_directory = {json.dumps(str(base))}" in text
+    assert 'diffusion_model = "kontext-trainer-demo-flux.safetensors"' in text
+    back = tmp_path / "run_api.json"
+    result = trainer_core("workflow", "--config", str(config), "-o", str(back))
+    assert result.returncode == 0, result.stdout + result.stderr
+    written, shipped = json.loads(back.read_text()), json.loads(EXAMPLE_API.read_text())
+    for class_type in ("UNETLoader", "VAELoader", "CLIPLoader", "KontextTrainer_LoadKontextDataset"):
+        (ours,) = [n["inputs"] for n in written.values() if n["class_type"] == class_type]
+        (theirs,) = [n["inputs"] for n in shipped.values() if n["class_type"] == class_type]
+        assert {k: v for k, v in ours.items() if not isinstance(v, list)} == {
+            k: v for k, v in theirs.items() if not isinstance(v, list)
+        }
+    (ours,) = [n["inputs"] for n in written.values() if n["class_type"] == "KontextTrainer_TrainLoRA"]
+    (theirs,) = [n["inputs"] for n in shipped.values() if n["class_type"] == "KontextTrainer_TrainLoRA"]
+    links = ("model", "dataset", "preview")  # links; headless has no previews
+    assert {k: v for k, v in ours.items() if k not in links} == {
+        k: v for k, v in theirs.items() if k not in links
+    }
+
+
+@pytest.mark.slow
+def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
+    config = tmp_path / "run.toml"
+    result = trainer_core(
+        "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(base), "-o", str(config)
+    )
+    assert result.returncode == 0, result.stderr
+    # a short run of the example (the only edit a user would make to try it)
+    text = config.read_text()
+    for key, value in (("steps", "24"), ("save_every", "12"), ("validate_every", "8")):
+        assert f"\n{key} = {value}\n" in text
+    text = text.replace("\nsteps = 24\n", "\nsteps = 2\n").replace(
+        "\nsave_every = 12\n", "\nsave_every = 0\n"
+    )
+    config.write_text(text.replace("\nvalidate_every = 8\n", "\nvalidate_every = 0\n"))
+    result = trainer_core("train", "--config", str(config), "--cpu")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lora = base / "models" / "loras" / "kontext_demo_lora.safetensors"
+    assert f"LoRA saved: {lora}" in result.stdout
+    assert "loading the model files with ComfyUI's loaders" in result.stdout
+    assert "] 2/2  loss" in result.stdout
+    from safetensors import safe_open
+
+    with safe_open(str(lora), "pt") as handle:
+        keys = set(handle.keys())
+        metadata = handle.metadata()
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys  # the 3072-wide model's
+    assert metadata["ss_output_name"] == "kontext_demo_lora"

@@ -1,0 +1,355 @@
+"""Workflow <-> run config in the real runtime: every saved training workflow (UI and API, old
+and current) reads into a config, and the config writes back a prompt with every value of the
+five nodes it holds; what a config cannot hold is refused by name; LoadKontextDataset's widgets
+generated from DatasetOptions are the ones it always had."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from kt_testing.comfy_runtime import run_sync
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLES = REPO / "example_workflows"
+E2E_DATA = REPO / "tests" / "e2e" / "data"
+TRAIN, DATASET = "KontextTrainer_TrainLoRA", "KontextTrainer_LoadKontextDataset"
+# every saved UI workflow with its API twin
+PAIRS = [(p, EXAMPLES / "api" / p.name) for p in sorted(EXAMPLES.glob("*.json"))] + [
+    (p, p.with_name(p.stem + "_api.json")) for p in sorted(E2E_DATA.glob("*.json")) if "_api" not in p.stem
+]
+
+
+def read(path: Path) -> dict:
+    return json.loads(path.read_text())
+
+
+@pytest.fixture(scope="module")
+def wc(pack_import):
+    return pack_import("nodes.workflow_config")
+
+
+@pytest.fixture(scope="module")
+def rc(pack_import):
+    return pack_import("trainer_core.run_config")
+
+
+def is_link(value) -> bool:
+    return isinstance(value, list) and len(value) == 2
+
+
+def five_nodes(prompt: dict) -> dict[str, dict]:
+    """role -> the API node, found by following TrainLoRA's links (independently of the code
+    under test)."""
+    train = next(node for node in prompt.values() if node["class_type"] == TRAIN)
+    dataset = prompt[train["inputs"]["dataset"][0]]
+    return {
+        "train": train,
+        "model": prompt[train["inputs"]["model"][0]],
+        "dataset": dataset,
+        "vae": prompt[dataset["inputs"]["vae"][0]],
+        "clip": prompt[dataset["inputs"]["clip"][0]],
+    }
+
+
+def declared_widgets(comfy_runtime, class_type: str) -> dict:
+    """name -> options of every widget input, from ComfyUI's own view of the class."""
+    declared = comfy_runtime.nodes.NODE_CLASS_MAPPINGS[class_type].INPUT_TYPES()
+    specs = {**declared["required"], **declared.get("optional", {})}
+    return {
+        name: spec[1] if len(spec) > 1 else {}
+        for name, spec in specs.items()
+        if isinstance(spec[0], list) or spec[0] in ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+    }
+
+
+def assert_same_run(comfy_runtime, written: dict, original: dict) -> None:
+    """`written` holds every value of the five nodes of `original`; widgets `original` predates
+    hold their declared defaults; links join the same roles; the preview is not carried."""
+    ours, theirs = five_nodes(written), five_nodes(original)
+    for role, node in theirs.items():
+        assert ours[role]["class_type"] == node["class_type"], role
+        values = {k: v for k, v in ours[role]["inputs"].items() if not is_link(v)}
+        widgets = declared_widgets(comfy_runtime, node["class_type"])
+        assert set(values) == set(widgets), role  # every widget, nothing else
+        for name, value in node["inputs"].items():
+            if not is_link(value):
+                assert (type(values[name]), values[name]) == (type(value), value), (role, name)
+        for name in set(widgets) - set(node["inputs"]):
+            assert values[name] == widgets[name]["default"], (role, name)
+    assert "preview" in theirs["train"]["inputs"] and "preview" not in ours["train"]["inputs"]
+
+
+def trains(prompt: dict) -> bool:
+    return any(node["class_type"] == TRAIN for node in prompt.values())
+
+
+@pytest.mark.parametrize(("ui", "api"), PAIRS, ids=[p.stem for p, _ in PAIRS])
+def test_every_saved_workflow_reads_and_writes_back_the_same_run(comfy_runtime, wc, rc, tmp_path, ui, api):
+    base = comfy_runtime.base_dir
+    if not trains(read(api)):
+        for source in (ui, api):
+            with pytest.raises(ValueError, match="the workflow has no TrainLoRA node"):
+                wc.config_from_workflow(read(source), base)
+        return
+    config = wc.config_from_workflow(read(api), base)
+    assert wc.config_from_workflow(read(ui), base) == config  # UI widgets by position = API by name
+    assert config.base_directory == base
+    assert_same_run(comfy_runtime, wc.workflow_from_config(config), read(api))
+    # and through the TOML file
+    path = tmp_path / "run.toml"
+    path.write_text(rc.dump_run_config(config), encoding="utf-8")
+    assert rc.load_run_config(path) == config
+
+
+def test_ui_links_saved_as_objects_read_the_same(comfy_runtime, wc):
+    ui = read(EXAMPLES / "kontext_lora_training.json")
+    objects = copy.deepcopy(ui)
+    keys = ("id", "origin_id", "origin_slot", "target_id", "target_slot", "type")
+    objects["links"] = [dict(zip(keys, link, strict=True)) for link in ui["links"]]
+    base = comfy_runtime.base_dir
+    assert wc.config_from_workflow(objects, base) == wc.config_from_workflow(ui, base)
+
+
+def test_two_text_encoders_are_a_dual_clip_loader(comfy_runtime, wc):
+    prompt = read(EXAMPLES / "api" / "kontext_lora_training.json")
+    dual = next(
+        n
+        for n in read(EXAMPLES / "api" / "multi_reference_dreamomni2.json").values()
+        if n["class_type"] == "DualCLIPLoader"
+    )
+    clip_id = five_nodes(prompt)["dataset"]["inputs"]["clip"][0]
+    prompt[clip_id] = dual
+    config = wc.config_from_workflow(prompt, comfy_runtime.base_dir)
+    assert config.model.text_encoders == [dual["inputs"]["clip_name1"], dual["inputs"]["clip_name2"]]
+    assert config.model.clip_type == dual["inputs"]["type"]
+    assert_same_run(comfy_runtime, wc.workflow_from_config(config), prompt)
+
+
+def test_ui_widget_values_follow_the_frontends_order_for_every_saved_node(comfy_runtime, wc):
+    """Every node of every saved UI workflow (stock ones too, e.g. KSampler with its seed's
+    control value) reads as its API twin names it."""
+    checked = 0
+    for ui, api in PAIRS:
+        twins = read(api)
+        for node in read(ui)["nodes"]:
+            expected = {k: v for k, v in twins[str(node["id"])]["inputs"].items() if not is_link(v)}
+            cls = comfy_runtime.nodes.NODE_CLASS_MAPPINGS[node["type"]]
+            assert wc.ui_widget_values(cls, node.get("widgets_values") or []) == expected, (
+                ui.name,
+                node["type"],
+            )
+            checked += "KSampler" == node["type"]
+    assert checked  # the seed's control value was among them
+
+
+def test_a_node_between_is_refused_by_name(comfy_runtime, wc):
+    prompt = read(EXAMPLES / "api" / "kontext_lora_training.json")
+    train = five_nodes(prompt)["train"]
+    prompt["99"] = {
+        "class_type": "LoraLoaderModelOnly",
+        "inputs": {"model": train["inputs"]["model"], "lora_name": "x.safetensors", "strength_model": 1.0},
+    }
+    train["inputs"]["model"] = ["99", 0]
+    with pytest.raises(ValueError) as caught:
+        wc.config_from_workflow(prompt, comfy_runtime.base_dir)
+    assert "its model comes from node 99 (LoraLoaderModelOnly)" in str(caught.value)
+    assert "UNETLoader" in str(caught.value)
+    # the same in a UI workflow: the link into TrainLoRA's model now starts at a LoRA loader
+    ui = read(EXAMPLES / "kontext_lora_training.json")
+    train_ui = next(n for n in ui["nodes"] if n["type"] == TRAIN)
+    model_link = next(slot["link"] for slot in train_ui["inputs"] if slot["name"] == "model")
+    link = next(link for link in ui["links"] if link[0] == model_link)
+    ui["nodes"].append(
+        {"id": 99, "type": "LoraLoaderModelOnly", "mode": 0, "inputs": [], "widgets_values": []}
+    )
+    link[1] = 99
+    with pytest.raises(ValueError, match=r"model comes from node 99 \(LoraLoaderModelOnly\)"):
+        wc.config_from_workflow(ui, comfy_runtime.base_dir)
+
+
+def test_two_trainers_need_a_choice(comfy_runtime, wc):
+    prompt = read(EXAMPLES / "api" / "kontext_lora_training.json")
+    train_id = next(k for k, n in prompt.items() if n["class_type"] == TRAIN)
+    prompt["50"] = copy.deepcopy(prompt[train_id])
+    prompt["50"]["inputs"]["lora_name"] = "second"
+    with pytest.raises(ValueError, match=rf"2 TrainLoRA nodes \({train_id}, 50\); pick one by its node id"):
+        wc.config_from_workflow(prompt, comfy_runtime.base_dir)
+    assert wc.config_from_workflow(prompt, comfy_runtime.base_dir, "50").trainer.lora_name == "second"
+    with pytest.raises(ValueError, match="node 7 is not a TrainLoRA"):
+        wc.config_from_workflow(prompt, comfy_runtime.base_dir, "7")
+
+
+def test_a_widget_fed_by_another_node_is_refused(comfy_runtime, wc):
+    prompt = read(EXAMPLES / "api" / "kontext_lora_training.json")
+    five_nodes(prompt)["train"]["inputs"]["steps"] = ["1", 0]
+    with pytest.raises(ValueError, match="its steps comes from node 1; a run config holds values only"):
+        wc.config_from_workflow(prompt, comfy_runtime.base_dir)
+
+
+def test_a_bad_value_in_a_workflow_is_named_like_in_a_file(comfy_runtime, wc):
+    prompt = read(EXAMPLES / "api" / "kontext_lora_training.json")
+    five_nodes(prompt)["train"]["inputs"]["steps"] = 0
+    with pytest.raises(ValueError, match=r"\[train\] steps is 0; give a number from 1 to 1000000"):
+        wc.config_from_workflow(prompt, comfy_runtime.base_dir)
+
+
+@pytest.mark.parametrize(
+    ("section", "key", "folder"),
+    [
+        ("model", "diffusion_model", "models/diffusion_models"),
+        ("model", "vae", "models/vae"),
+        ("model", "text_encoders", "models/text_encoders"),
+        ("trainer", "start_from_lora", "models/loras"),
+        ("trainer", "resume_from", "output/kontext_trainer_checkpoints"),
+    ],
+)
+def test_absolute_paths_cannot_go_into_a_workflow(comfy_runtime, wc, section, key, folder):
+    config = wc.config_from_workflow(
+        read(EXAMPLES / "api" / "kontext_lora_training.json"), comfy_runtime.base_dir
+    )
+    absolute = "/data/models/file.safetensors"
+    owner = getattr(config, section)
+    config = dataclasses.replace(
+        config,
+        **{section: dataclasses.replace(owner, **{key: [absolute] if key == "text_encoders" else absolute})},
+    )
+    table = "model" if section == "model" else "train"
+    with pytest.raises(ValueError) as caught:
+        wc.workflow_from_config(config)
+    assert str(caught.value).startswith(f"[{table}] {key}: '{absolute}' is an absolute path")
+    assert f"put it in {folder}" in str(caught.value)
+
+
+@pytest.mark.parametrize("encoders", [1, 2], ids=["CLIPLoader", "DualCLIPLoader"])
+def test_a_written_workflow_passes_comfyuis_own_validation(comfy_runtime, wc, rc, encoders):
+    import execution
+
+    base = comfy_runtime.base_dir
+    tag = f"kt-config-{uuid.uuid4().hex[:8]}"  # names no other test uses
+    files = {
+        "diffusion_models": f"{tag}-flux.safetensors",
+        "vae": f"{tag}-ae.safetensors",
+        "text_encoders": f"{tag}-clip.safetensors",
+    }
+    for folder, name in files.items():
+        (base / "models" / folder).mkdir(parents=True, exist_ok=True)
+        (base / "models" / folder / name).write_bytes(b"")
+    (base / "input" / tag).mkdir(parents=True)
+    config = rc.RunConfig(
+        base_directory=base,
+        model=rc.ModelFiles(
+            diffusion_model=files["diffusion_models"],
+            weight_dtype="fp8_e4m3fn",
+            vae=files["vae"],
+            text_encoders=[files["text_encoders"]] * encoders,
+            clip_type="flux" if encoders == 2 else "stable_diffusion",
+        ),
+        dataset=rc.DatasetOptions(folder=tag, resolution=512),
+        train=rc.TrainConfig(steps=7, optimizer="adafactor"),
+    )
+    prompt = wc.workflow_from_config(config)
+    valid, error, outputs, node_errors = run_sync(execution.validate_prompt(str(uuid.uuid4()), prompt, None))
+    assert (valid, error, node_errors) == (True, None, {})
+    assert outputs == [next(k for k, n in prompt.items() if n["class_type"] == TRAIN)]
+
+
+def test_a_loader_choice_this_comfyui_lacks_is_named(comfy_runtime, wc):
+    config = wc.config_from_workflow(
+        read(EXAMPLES / "api" / "kontext_lora_training.json"), comfy_runtime.base_dir
+    )
+    config.model.clip_type = "no_such_type"
+    with pytest.raises(ValueError, match=r"\[model\] clip_type: 'no_such_type' is not a type of CLIPLoader"):
+        wc.workflow_from_config(config)
+
+
+def test_load_kontext_dataset_widgets_are_the_hand_written_ones(pack_import):
+    """LoadKontextDataset's inputs as they were written by hand before DatasetOptions generated
+    them: same names, order, defaults, tooltips, limits and choices."""
+    import folder_paths
+    from comfy_api.latest import io
+
+    node = pack_import("nodes.load_kontext_dataset")
+    use_path = "(absolute path below)"
+    before = [
+        io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
+        io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),
+        io.Combo.Input(
+            "folder",
+            options=[use_path, *folder_paths.get_input_subfolders()],
+            default=use_path,
+            tooltip="A folder of ComfyUI's input directory holding the dataset.",
+        ),
+        io.String.Input(
+            "path", default="", tooltip="Or an absolute path to the dataset folder (wins if set)."
+        ),
+        io.Int.Input(
+            "resolution",
+            default=1024,
+            min=128,
+            max=2048,
+            step=64,
+            tooltip="Targets are scaled to about this many pixels squared, aspect kept, sides "
+            "multiples of 16; each distinct size is a bucket and batches never mix buckets.",
+        ),
+        io.Int.Input(
+            "reference_resolution",
+            default=1024,
+            min=0,
+            max=4096,
+            step=16,
+            tooltip="References are sized exactly as MultiImageConditioning sizes them at "
+            "inference (same rule, same number); 0 keeps their size, cropped to multiples of 16.",
+        ),
+        io.Int.Input(
+            "min_size",
+            default=256,
+            min=0,
+            max=4096,
+            tooltip="Images whose shorter side is below this many pixels are reported as problems.",
+        ),
+        io.Combo.Input(
+            "background",
+            options=["white", "black", "gray"],
+            default="white",
+            tooltip="Transparent pixels are composited onto this colour.",
+        ),
+        io.Int.Input(
+            "hold_out", default=0, min=0, max=10000, tooltip="Samples kept out of training for validation."
+        ),
+        io.Int.Input(
+            "seed",
+            default=0,
+            min=0,
+            max=2**31 - 1,
+            control_after_generate=False,
+            tooltip="Chooses the held-out samples.",
+        ),
+        io.String.Input(
+            "cache_folder",
+            default="",
+            tooltip="Where latents and embeddings are cached; empty = output/kontext_trainer_cache.",
+        ),
+    ]
+    now = node.LoadKontextDataset.define_schema().inputs
+
+    def described(inputs):
+        return [(i.id, i.get_io_type(), i.as_dict()) for i in inputs]
+
+    assert described(now) == described(before)
+    assert node.USE_PATH == use_path and list(node.BACKGROUNDS) == ["white", "black", "gray"]
+
+
+def test_trainer_options_are_trainloras_own_widgets(comfy_runtime, rc):
+    widgets = declared_widgets(comfy_runtime, TRAIN)
+    for option in dataclasses.fields(rc.TrainerOptions):
+        assert widgets[option.name]["tooltip"] == option.metadata["tooltip"], option.name
+        assert widgets[option.name]["default"] == option.default, option.name
+    assert set(widgets) == {f.name for f in dataclasses.fields(rc.TrainerOptions)} | {
+        f.name for f in dataclasses.fields(rc.TrainConfig)
+    }

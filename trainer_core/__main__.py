@@ -1,0 +1,8 @@
+"""`python -m trainer_core ...`: see `trainer_core.cli`."""
+
+import sys
+
+from .cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

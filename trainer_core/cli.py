@@ -1,0 +1,130 @@
+"""The command line: the trainer without a browser, on one GPU or data parallel under torchrun.
+
+    python -m trainer_core train --config run.toml [--cpu]
+    torchrun --nproc_per_node 4 -m trainer_core train --config run.toml
+    python -m trainer_core config --from-workflow my_workflow.json -o run.toml
+    python -m trainer_core workflow --config run.toml -o run_api.json
+
+(run from the pack's folder, e.g. ComfyUI/custom_nodes/kontext-trainer, with ComfyUI's Python.)
+
+This module only parses the command and finds ComfyUI (KONTEXT_TRAINER_COMFYUI, else the
+ComfyUI this pack is installed in, else the bundled `.comfyui/`); it never imports ComfyUI
+itself. `nodes/comfy_boot.py` sets the options ComfyUI reads at import (the config's base
+directory, CPU or this process's GPU) as `main.py` would and imports the pack as a package
+(`kontext_trainer`); `nodes/headless.py` then loads the models with ComfyUI's own loaders and
+trains with the node's training code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import os
+from pathlib import Path
+from types import ModuleType
+
+PACK_ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "kontext_trainer"  # the name the pack is imported under here
+COMFYUI_ENV = "KONTEXT_TRAINER_COMFYUI"
+
+
+def comfyui_root() -> Path:
+    named = os.environ.get(COMFYUI_ENV)
+    candidates = [Path(named)] if named else [PACK_ROOT.parents[1], PACK_ROOT / ".comfyui"]
+    for root in candidates:
+        if (root / "main.py").is_file() and (root / "comfy").is_dir():
+            return root.resolve()
+    if named:
+        raise SystemExit(
+            f"error: {COMFYUI_ENV}={named} is not a ComfyUI folder (no main.py and comfy/ there)"
+        )
+    raise SystemExit(
+        f"error: no ComfyUI found: install the pack in ComfyUI/custom_nodes/, set {COMFYUI_ENV} to "
+        "your ComfyUI folder, or run `make setup` in the pack for the bundled one"
+    )
+
+
+def boot(base_directory: Path | None, use_cuda: bool) -> ModuleType:
+    """ComfyUI's runtime in this process and the pack as `kontext_trainer`: done by
+    `nodes/comfy_boot.py` (ComfyUI glue stays out of trainer_core), loaded by its path because
+    the pack's package can only be imported once ComfyUI's options are set."""
+    root = comfyui_root()
+    spec = importlib.util.spec_from_file_location(
+        "kontext_trainer_boot", PACK_ROOT / "nodes" / "comfy_boot.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.boot(root, PACK_ROOT, PACKAGE, base_directory, use_cuda)
+
+
+def wants_cuda(force_cpu: bool) -> bool:
+    if force_cpu:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def parser() -> argparse.ArgumentParser:
+    top = argparse.ArgumentParser(
+        prog="python -m trainer_core", description="Kontext Trainer without the graph."
+    )
+    commands = top.add_subparsers(dest="command", required=True)
+    train = commands.add_parser(
+        "train",
+        help="train the run a config describes (under torchrun: data parallel)",
+        description="Ctrl-C stops after the current step and writes a checkpoint to resume from "
+        "(a second Ctrl-C quits at once).",
+    )
+    train.add_argument("--config", required=True, type=Path, help="the run's TOML config")
+    train.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is there")
+    train.add_argument(
+        "--timeout-minutes",
+        type=float,
+        default=30.0,
+        help="data parallel: how long a process waits for the others (encoding the dataset on the "
+        "first, a lost machine under NCCL) before it gives up",
+    )
+    config = commands.add_parser("config", help="write the config of a workflow's TrainLoRA")
+    config.add_argument("--from-workflow", required=True, type=Path, help="a UI or API workflow JSON")
+    config.add_argument("--node", help="the TrainLoRA node's id, if the workflow has several")
+    config.add_argument(
+        "--base-directory",
+        type=Path,
+        default=None,
+        help="the ComfyUI base directory the config names (default: the ComfyUI found)",
+    )
+    config.add_argument("-o", "--output", type=Path, help="the TOML file to write (default: print it)")
+    workflow = commands.add_parser("workflow", help="write the API workflow that trains a config's run")
+    workflow.add_argument("--config", required=True, type=Path)
+    workflow.add_argument("-o", "--output", type=Path, help="the JSON file to write (default: print it)")
+    return top
+
+
+def main(argv: list[str] | None = None, load_models=None) -> int:
+    """`load_models`: replaces the stock loaders (tests train tiny models that no stock loader
+    can detect); everything else runs as in production."""
+    options = parser().parse_args(argv)
+    if options.command == "train":
+        base = _config_base_directory(options.config)
+        pack = boot(base, wants_cuda(options.cpu))
+        headless = importlib.import_module(f"{PACKAGE}.nodes.headless")
+        return headless.train_command(options, load_models)
+    if options.command == "config":
+        pack = boot(options.base_directory.resolve() if options.base_directory else None, use_cuda=False)
+    else:
+        pack = boot(_config_base_directory(options.config), use_cuda=False)
+    headless = importlib.import_module(f"{pack.__name__}.nodes.headless")
+    return headless.convert_command(options)
+
+
+def _config_base_directory(path: Path) -> Path:
+    """The config's base directory, read before ComfyUI boots (its folders are fixed at import);
+    the full config is checked after."""
+    from .run_config import load_run_config
+
+    try:
+        return load_run_config(path).base_directory
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
