@@ -229,14 +229,16 @@ class ProgressPrinter:
 
 
 class StopOnSignal:
-    """SIGINT (Ctrl-C) and SIGTERM (what torchrun sends its processes when it is stopped) ask
-    the run to stop after the current step and write a checkpoint, as Cancel does; a second
-    one quits at once."""
+    """SIGINT (Ctrl-C) and SIGTERM ask the run to stop after the current step and write a
+    checkpoint, as Cancel does; a second one at least `again_after` seconds later quits at
+    once. Under torchrun a Ctrl-C reaches each process twice within moments (from the terminal,
+    then forwarded by torchrun, which kills them 30 s later): that is still one request."""
 
     SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
-    def __init__(self, rank: int):
-        self.rank, self.requested = rank, threading.Event()
+    def __init__(self, rank: int, again_after: float = 2.0):
+        self.rank, self.again_after, self.requested = rank, again_after, threading.Event()
+        self._first_at: float | None = None
         self._previous = {}
 
     def __enter__(self):
@@ -250,8 +252,12 @@ class StopOnSignal:
             signal.signal(kind, previous)
 
     def _handle(self, number, frame) -> None:
-        if self.requested.is_set():
-            os._exit(EXIT_STOPPED)
+        now = time.monotonic()
+        if self._first_at is not None:
+            if now - self._first_at >= self.again_after:
+                os._exit(EXIT_STOPPED)
+            return
+        self._first_at = now
         self.requested.set()
         say(
             "stopping after this step and writing a checkpoint (press Ctrl-C again to quit at once)",
@@ -284,6 +290,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
     with StopOnSignal(rank) as stop:
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
+        say(f"training on {model.load_device}", rank)
         dataset, report = prepare_dataset(vae, clip, config, collective)
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
         run = prepare_run(config, dataset, collective)

@@ -12,6 +12,8 @@ tiny test models (`kt_testing/headless_tiny.py`).
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import time
 
@@ -141,3 +143,35 @@ def test_a_checkpoint_of_two_processes_is_not_resumed_by_one(files):
     result = run(command(files.config("resume1", resume_from=str(choice), steps=STEPS + 2)))
     assert result.returncode == 2, result.stdout + result.stderr
     assert "trained by 2 data-parallel process(es) and this run has 1" in result.stderr
+
+
+def test_ctrl_c_under_torchrun_checkpoints_on_rank_0(files):
+    """A terminal's Ctrl-C reaches torchrun and its processes (one process group), and torchrun
+    forwards it again: the run still stops after one step, with a checkpoint."""
+    launcher = subprocess.Popen(
+        torchrun(files.config("ctrl_c", steps=100_000), 2, "--standalone"),
+        cwd=REPO_ROOT,
+        env=environment(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # its own process group, as a terminal gives it
+    )
+    try:
+        output = []
+        for line in launcher.stdout:
+            output.append(line)
+            if PROGRESS.match(line):
+                os.killpg(launcher.pid, signal.SIGINT)
+                break
+        output += launcher.stdout.readlines()
+        launcher.wait(timeout=120)
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+            launcher.wait(timeout=30)
+    text = "".join(output)
+    assert "to resume, set resume_from" in text, text
+    (checkpoint,) = checkpoints(files.base, "ctrl_c")
+    losses, _ = final_state(checkpoint)
+    assert int(checkpoint.name.split("_")[1]) == len(losses) < 100_000
