@@ -170,19 +170,25 @@ def start_file(choice: str) -> Path | None:
     return resolve_start(choice)
 
 
-def prepare_run(config: RunConfig, dataset, collective: Collective | None) -> Run:
-    """TrainLoRA's checks, with the config's words in the messages."""
+def prepare_run(config: RunConfig, collective: Collective | None) -> Run:
+    """TrainLoRA's checks that need no model (names, overwrite, the files to start from): made
+    before anything loads. The resume's match with the dataset is `check_run_resume`."""
     import folder_paths
 
-    trainer, world = config.trainer, collective.world_size if collective is not None else 1
+    trainer = config.trainer
     paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(trainer.lora_name))
     resume = resume_folder(trainer.resume_from) if trainer.resume_from not in ("", NO_RESUME) else None
     replaces = check_existing(paths, trainer.overwrite, resuming=resume is not None)
     if resume is not None:
-        check_resume(read_state(resume), config.train, dataset.content_hash, world)
+        read_state(resume)  # a complete checkpoint, or a message naming what is missing
     start = start_file(trainer.start_from_lora) if resume is None else None
     temp = Path(folder_paths.get_temp_directory())
     return Run(paths, resume, replaces, temp, start, collective)
+
+
+def check_run_resume(run: Run, config: RunConfig, dataset) -> None:
+    if run.resume is not None:
+        check_resume(read_state(run.resume), config.train, dataset.content_hash, run.world_size)
 
 
 # --- 4) progress and stopping -------------------------------------------------------------------
@@ -198,7 +204,7 @@ def describe(progress: Progress) -> str:
         parts.append(f"val {progress.validation_loss:.4f}@{progress.validation_step}")
     if progress.seconds_per_step:
         parts.append(f"{progress.seconds_per_step:.2f} s/step")
-    if progress.eta_seconds is not None:
+    if progress.eta_seconds is not None and progress.step < progress.total:
         minutes, seconds = divmod(int(progress.eta_seconds), 60)
         parts.append(f"ETA {minutes // 60}:{minutes % 60:02d}:{seconds:02d}")
     return "  ".join(parts)
@@ -288,12 +294,13 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
     if world > 1:
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
+        run = in_section("train", lambda: prepare_run(config, collective))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
-        dataset, report = prepare_dataset(vae, clip, config, collective)
+        dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
-        run = prepare_run(config, dataset, collective)
+        in_section("train", lambda: check_run_resume(run, config, dataset))
         if run.resume is not None:
             say(f"resuming {run.resume}", rank)
         printer = ProgressPrinter(rank)
@@ -308,6 +315,18 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
         )
         outcome: TrainingOutcome = wait_for(job, on_poll, lambda: None)
     return _finish(run, outcome, rank)
+
+
+def in_section(section: str, action):
+    """Run `action`; a ValueError it raises names the config section (`[train] lora_name: ...`)
+    unless it already does."""
+    try:
+        return action()
+    except ValueError as error:
+        message = str(error)
+        if message.startswith("["):
+            raise
+        raise ValueError(f"[{section}] {message}") from None
 
 
 def _finish(run: Run, outcome: TrainingOutcome, rank: int) -> int:
@@ -338,7 +357,10 @@ def train_command(options, load_models=None) -> int:
             use_cuda=not options.cpu and torch.cuda.is_available(),
         )
     except ValueError as error:
-        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        message = str(error)
+        if not message.startswith(str(options.config)):  # the config's own errors name it already
+            message = f"{options.config}: {message}"
+        print(f"[kontext-trainer] error: {message}", file=sys.stderr, flush=True)
         return 2
 
 

@@ -123,7 +123,7 @@ def resolve_resume(choice: str) -> Path | None:
     if root not in path.parents:
         raise ValueError(f"resume_from: '{choice}' is not a checkpoint of Kontext Trainer ({root})")
     if not path.is_dir():
-        raise ValueError(f"resume_from: the checkpoint '{choice}' no longer exists; pick another or 'none'")
+        raise ValueError(f"resume_from: there is no checkpoint '{choice}' (any more); pick another or 'none'")
     return path
 
 

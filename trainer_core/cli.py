@@ -21,6 +21,7 @@ import argparse
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -84,20 +85,32 @@ def parser() -> argparse.ArgumentParser:
         type=float,
         default=30.0,
         help="data parallel: how long a process waits for the others (encoding the dataset on the "
-        "first, a lost machine under NCCL) before it gives up",
+        "first, a lost machine under NCCL) before it gives up (default: 30)",
     )
-    config = commands.add_parser("config", help="write the config of a workflow's TrainLoRA")
+    config = commands.add_parser(
+        "config",
+        help="write the config of a workflow's TrainLoRA",
+        description="Reads a UI or API workflow with UNETLoader, VAELoader, CLIPLoader or DualCLIPLoader, "
+        "LoadKontextDataset and TrainLoRA, and writes their values as a run config (TOML). "
+        "Previews are not part of it (headless runs sample none).",
+    )
     config.add_argument("--from-workflow", required=True, type=Path, help="a UI or API workflow JSON")
     config.add_argument("--node", help="the TrainLoRA node's id, if the workflow has several")
     config.add_argument(
         "--base-directory",
         type=Path,
         default=None,
-        help="the ComfyUI base directory the config names (default: the ComfyUI found)",
+        help="the ComfyUI base directory the config names: models/, input/, output/ under it "
+        "(default: the ComfyUI the pack found)",
     )
     config.add_argument("-o", "--output", type=Path, help="the TOML file to write (default: print it)")
-    workflow = commands.add_parser("workflow", help="write the API workflow that trains a config's run")
-    workflow.add_argument("--config", required=True, type=Path)
+    workflow = commands.add_parser(
+        "workflow",
+        help="write the API workflow that trains a config's run",
+        description="Writes the API workflow (loaders, LoadKontextDataset, TrainLoRA) that trains the "
+        "config's run in the graph; queue it, or open it in ComfyUI.",
+    )
+    workflow.add_argument("--config", required=True, type=Path, help="the run's TOML config")
     workflow.add_argument("-o", "--output", type=Path, help="the JSON file to write (default: print it)")
     return top
 
@@ -127,4 +140,5 @@ def _config_base_directory(path: Path) -> Path:
     try:
         return load_run_config(path).base_directory
     except (OSError, ValueError) as error:
-        raise SystemExit(f"error: {error}") from None
+        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None

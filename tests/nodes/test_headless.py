@@ -97,7 +97,8 @@ def test_trains_what_the_graph_trains_and_writes_its_files(uninterrupted, files,
     assert (loras / "full.safetensors").is_file() and (loras / "full_loss.png").is_file()
     assert f"LoRA saved: {loras / 'full.safetensors'}" in result.stdout
     bar = [line for line in result.stdout.splitlines() if PROGRESS.match(line)]
-    assert bar and re.search(rf"\] {STEPS}/{STEPS}  loss [\d.]+ \(avg [\d.]+\)  [\d.]+ s/step  ETA", bar[-1])
+    assert re.fullmatch(rf"\[#+\] {STEPS}/{STEPS}  loss [\d.]+ \(avg [\d.]+\)  [\d.]+ s/step", bar[-1])
+    assert re.search(r"\] \d+/40  loss .* s/step  ETA \d+:\d\d:\d\d$", bar[0])  # the time left, while it runs
     assert all(key.startswith("lora_unet_") for key in lora)
     # the graph, 6 steps of the same run: the same losses (other threads: fp32 tolerance)
     graph = graph_train(comfy_runtime, files, "graph_same", steps=6)
@@ -198,3 +199,13 @@ def test_a_bad_config_names_the_key_and_the_fix(files):
     assert result.returncode == 2, result.stdout + result.stderr
     assert str(files.root / "nowhere") in result.stderr, result.stderr
     assert time.monotonic() - started < 120
+
+
+def test_an_existing_lora_is_refused_before_anything_loads(uninterrupted, files):
+    config = write_config(
+        files.root / "again.toml", files.base, files.dataset, files.cache, {"lora_name": "full", "steps": 2}
+    )
+    result = run(command(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{config}: [train] lora_name: " in result.stderr and "turn on overwrite" in result.stderr
+    assert "loading the model files" not in result.stdout  # refused before the models load
