@@ -356,7 +356,7 @@ def train_command(options, load_models=None) -> int:
             options.timeout_minutes,
             use_cuda=not options.cpu and torch.cuda.is_available(),
         )
-    except ValueError as error:
+    except (ValueError, OSError) as error:  # OSError: e.g. an incomplete checkpoint folder
         message = str(error)
         if not message.startswith(str(options.config)):  # the config's own errors name it already
             message = f"{options.config}: {message}"

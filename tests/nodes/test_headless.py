@@ -199,6 +199,19 @@ def test_a_bad_config_names_the_key_and_the_fix(files):
     assert result.returncode == 2, result.stdout + result.stderr
     assert str(files.root / "nowhere") in result.stderr, result.stderr
     assert time.monotonic() - started < 120
+    empty = files.root / "not_a_checkpoint"
+    empty.mkdir()
+    incomplete = write_config(
+        files.root / "incomplete.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "bad", "resume_from": str(empty)},
+    )
+    result = run(command(incomplete))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{incomplete}: {empty}: not a complete checkpoint (missing lora.safetensors" in result.stderr
+    assert "loading the model files" not in result.stdout
 
 
 def test_an_existing_lora_is_refused_before_anything_loads(uninterrupted, files):
