@@ -114,7 +114,7 @@ def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None)
     what the cache lacks while the others wait, then they read it (all cache hits), and all
     processes must see the same dataset."""
     first = collective is None or distributed.local_rank() == 0
-    rank = collective.rank if collective is not None else 0
+    rank = distributed.rank_of(collective)
     dataset = report = None
     if first:
         dataset, report = load_dataset(vae, clip, config.dataset, progress=_encode_progress(rank))
@@ -170,25 +170,26 @@ def start_file(choice: str) -> Path | None:
     return resolve_start(choice)
 
 
-def prepare_run(config: RunConfig, collective: Collective | None) -> Run:
+def prepare_run(config: RunConfig, collective: Collective | None) -> tuple[Run, dict | None]:
     """TrainLoRA's checks that need no model (names, overwrite, the files to start from): made
-    before anything loads. The resume's match with the dataset is `check_run_resume`."""
+    before anything loads. Returns the run and the resumed checkpoint's state.json, whose match
+    with the dataset `check_run_resume` checks once the dataset is loaded."""
     import folder_paths
 
     trainer = config.trainer
     paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(trainer.lora_name))
     resume = resume_folder(trainer.resume_from) if trainer.resume_from not in ("", NO_RESUME) else None
     replaces = check_existing(paths, trainer.overwrite, resuming=resume is not None)
-    if resume is not None:
-        read_state(resume)  # a complete checkpoint, or a message naming what is missing
+    # a complete checkpoint, or a message naming what is missing
+    state = read_state(resume) if resume is not None else None
     start = start_file(trainer.start_from_lora) if resume is None else None
     temp = Path(folder_paths.get_temp_directory())
-    return Run(paths, resume, replaces, temp, start, collective)
+    return Run(paths, resume, replaces, temp, start, collective), state
 
 
-def check_run_resume(run: Run, config: RunConfig, dataset) -> None:
-    if run.resume is not None:
-        check_resume(read_state(run.resume), config.train, dataset.content_hash, run.world_size)
+def check_run_resume(run: Run, state: dict | None, config: RunConfig, dataset) -> None:
+    if state is not None:
+        check_resume(state, config.train, dataset.content_hash, run.world_size)
 
 
 # --- 4) progress and stopping -------------------------------------------------------------------
@@ -276,7 +277,7 @@ class StopOnSignal:
 
 def train(config: RunConfig, load_models=None, timeout_minutes: float = 30.0, use_cuda: bool = False) -> int:
     collective = distributed.start(use_cuda, timeout_seconds=timeout_minutes * 60)
-    rank = collective.rank if collective is not None else 0
+    rank = distributed.rank_of(collective)
     try:
         return _train(config, load_models or load_models_stock, collective)
     except PeerLost as error:
@@ -289,18 +290,17 @@ def train(config: RunConfig, load_models=None, timeout_minutes: float = 30.0, us
 
 
 def _train(config: RunConfig, load_models, collective: Collective | None) -> int:
-    rank = collective.rank if collective is not None else 0
-    world = collective.world_size if collective is not None else 1
+    rank, world = distributed.rank_of(collective), distributed.world_size_of(collective)
     if world > 1:
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
-        run = in_section("train", lambda: prepare_run(config, collective))
+        run, state = in_section("train", lambda: prepare_run(config, collective))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
         dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
-        in_section("train", lambda: check_run_resume(run, config, dataset))
+        in_section("train", lambda: check_run_resume(run, state, config, dataset))
         if run.resume is not None:
             say(f"resuming {run.resume}", rank)
         printer = ProgressPrinter(rank)
@@ -354,7 +354,7 @@ def train_command(options, load_models=None) -> int:
             config,
             load_models,
             options.timeout_minutes,
-            use_cuda=not options.cpu and torch.cuda.is_available(),
+            use_cuda=options.use_cuda,  # decided before ComfyUI booted (trainer_core.cli)
         )
     except (ValueError, OSError) as error:  # OSError: e.g. an incomplete checkpoint folder
         message = str(error)

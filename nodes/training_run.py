@@ -26,7 +26,7 @@ import torch
 from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
-from ..trainer_core.distributed import Collective
+from ..trainer_core.distributed import Collective, rank_of, world_size_of
 from ..trainer_core.flow_step import Sample
 from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
@@ -60,11 +60,11 @@ class Run:
 
     @property
     def rank(self) -> int:
-        return self.collective.rank if self.collective is not None else 0
+        return rank_of(self.collective)
 
     @property
     def world_size(self) -> int:
-        return self.collective.world_size if self.collective is not None else 1
+        return world_size_of(self.collective)
 
 
 @dataclass

@@ -119,16 +119,15 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
     """`load_models`: replaces the stock loaders (tests train tiny models that no stock loader
     can detect); everything else runs as in production."""
     options = parser().parse_args(argv)
-    if options.command == "train":
-        base = _config_base_directory(options.config)
-        pack = boot(base, wants_cuda(options.cpu))
-        headless = importlib.import_module(f"{PACKAGE}.nodes.headless")
-        return headless.train_command(options, load_models)
+    options.use_cuda = options.command == "train" and wants_cuda(options.cpu)
     if options.command == "config":
-        pack = boot(options.base_directory.resolve() if options.base_directory else None, use_cuda=False)
+        base = options.base_directory.resolve() if options.base_directory else None
     else:
-        pack = boot(_config_base_directory(options.config), use_cuda=False)
+        base = _config_base_directory(options.config)
+    pack = boot(base, options.use_cuda)
     headless = importlib.import_module(f"{pack.__name__}.nodes.headless")
+    if options.command == "train":
+        return headless.train_command(options, load_models)
     return headless.convert_command(options)
 
 

@@ -149,6 +149,14 @@ def _buckets(parameters: Sequence[torch.nn.Parameter], limit: int) -> list[list[
     return buckets
 
 
+def rank_of(collective: Collective | None) -> int:
+    return collective.rank if collective is not None else 0
+
+
+def world_size_of(collective: Collective | None) -> int:
+    return collective.world_size if collective is not None else 1
+
+
 def start(use_cuda: bool, timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS) -> Collective | None:
     """Join torchrun's process group (None when launched without torchrun or with one
     process): NCCL when this rank trains on a GPU, gloo otherwise."""
