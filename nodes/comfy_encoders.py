@@ -32,8 +32,9 @@ def comfy_encoders(vae, clip) -> Encoders:
         conditioning = clip.encode_from_tokens_scheduled(clip.tokenize(caption))
         context, extras = conditioning[0]
         pooled = extras.get("pooled_output")
-        if pooled is None:
-            raise ValueError("this text encoder gives no pooled output; Flux needs one (CLIP-L)")
+        if pooled is None:  # FLUX.2's Mistral gives none (its model takes none); FLUX.1 is
+            # checked for one when it trains (model_family.check_model_fits)
+            return context[0].cpu(), torch.zeros(0)
         return context[0].cpu(), pooled[0].cpu()
 
     return Encoders(encode_image, encode_text, vae_identity(vae), clip_identity(clip))

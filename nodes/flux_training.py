@@ -51,6 +51,7 @@ from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .comfy_loading import held_for_training
 from .flux_blocks import install_trainable_blocks
 from .fp8_scaled import fp8_scaled_weights
+from .model_family import token_grid
 from .reference_ids import forward_token_batch, with_reference_ids
 
 
@@ -109,7 +110,7 @@ class FluxLoraSession:
                 batch.valid.to(device),
                 batch.target.to(device),
                 batch.target_sizes,
-                batch.patch_size,
+                batch.grid,
                 batch.reference_sizes,
             )
             return forward_token_batch(
@@ -127,7 +128,7 @@ class FluxLoraSession:
             transformer_options=options,
             ref_latents_method=self.config.layout,
         )
-        packed = pack_latent(out, batch.patch_size)
+        packed = pack_latent(out, batch.grid.patch_size)
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
@@ -146,7 +147,7 @@ class FluxLoraSession:
             self.config,
             generator,
             self.empty_text,
-            self.diffusion_model.patch_size,
+            token_grid(self.diffusion_model),
             rows,
         )
 

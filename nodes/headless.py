@@ -39,6 +39,7 @@ from ..trainer_core.resume import check_resume
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
 from ..trainer_core.run_files import LoraPaths
 from .load_kontext_dataset import load_dataset
+from .model_family import check_model_fits
 from .train_lora import (
     NO_RESUME,
     NO_START,
@@ -301,6 +302,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
         dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
         in_section("train", lambda: check_run_resume(run, state, config, dataset))
+        in_section("model", lambda: check_model_fits(model, dataset, config.train.layout))
         if run.resume is not None:
             say(f"resuming {run.resume}", rank)
         printer = ProgressPrinter(rank)

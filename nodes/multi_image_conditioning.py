@@ -2,7 +2,9 @@
 
 The same conditioning drives a stock KSampler and TrainLoRA. The MODEL output is a clone whose
 Flux image ids come from `trainer_core.position_ids` for every layout (see reference_ids.py);
-for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is required.
+for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is required. The model's
+family (FLUX.1 or FLUX.2) comes from the MODEL itself; a layout that does not fit it, or a
+MODEL of another kind, is refused here rather than failing mid-sampling.
 """
 
 from __future__ import annotations
@@ -11,9 +13,11 @@ import numpy as np
 import torch
 from comfy_api.latest import io
 
+from ..trainer_core.model_family import check_family_layout
 from ..trainer_core.position_ids import LAYOUTS, check_layout
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
 from .extension_ids import node_id
+from .model_family import flux_family
 from .reference_ids import with_reference_ids
 
 MAX_REFERENCES = 4
@@ -23,7 +27,8 @@ LAYOUT_TOOLTIP = (
     "(all references index 1, packed side by side). index: reference i gets index i+1. uxo: "
     "UXO/USO style, diagonal after the target. dreamomni2: index i+1 and columns shifted by the "
     "widths of the earlier references (DreamOmni2). With one reference, offset, index and "
-    "dreamomni2 are identical (plain Kontext). Train and sample with the same layout."
+    "dreamomni2 are identical (plain Kontext). Train and sample with the same layout. FLUX.2: "
+    "index is its own default (steps of 10); offset and uxo work too; dreamomni2 is FLUX.1 only."
 )
 
 
@@ -79,7 +84,8 @@ class MultiImageConditioning(io.ComfyNode):
             "with a chosen position layout, for sampling and for TrainLoRA.",
             inputs=[
                 io.Model.Input(
-                    "model", tooltip="The Flux / Kontext MODEL; a clone comes out, the input is untouched."
+                    "model",
+                    tooltip="The FLUX.1 Kontext or FLUX.2 MODEL; a clone comes out, the input is untouched.",
                 ),
                 io.Conditioning.Input(
                     "conditioning", tooltip="The prompt conditioning (e.g. from CLIPTextEncode)."
@@ -123,6 +129,7 @@ class MultiImageConditioning(io.ComfyNode):
         image_4=None,
     ) -> io.NodeOutput:
         check_layout(layout)
+        check_family_layout(flux_family(model, "MultiImageConditioning's model"), layout)
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")

@@ -65,7 +65,10 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
             [torch.zeros_like(c), {k: v for k, v in o.items() if k != "reference_latents"}]
             for c, o in settings.positive
         ]
-    latent = torch.zeros(1, 16, settings.height // 8, settings.width // 8)
+    # the empty latent of the model's family (FLUX.1: 16 channels at 1/8, FLUX.2: 128 at 1/16)
+    channels = session.patcher.model.latent_format.latent_channels
+    scale = settings.vae.spacial_compression_encode()
+    latent = torch.zeros(1, channels, settings.height // scale, settings.width // scale)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with evaluating(session.diffusion_model), torch.random.fork_rng(devices=devices):
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(settings.seed))

@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import torch
 
-from ..trainer_core.position_ids import check_layout, image_position_ids
+from ..trainer_core.position_ids import check_layout, image_position_ids, text_position_ids
 from ..trainer_core.token_batch import TokenBatch, attention_bias
+from .model_family import token_grid
 
 WRAPPER_KEY = "kontext_trainer.reference_ids"
 
@@ -33,14 +34,12 @@ def _layout_of(diffusion_model, kwargs) -> str:
 
 
 def reference_ids_for(diffusion_model, x: torch.Tensor, ref_latents, layout: str) -> torch.Tensor:
-    """(B, L, 3) ids for a batch whose samples share the target and reference sizes."""
-    params = diffusion_model.params
+    """(B, L, axes) ids for a batch whose samples share the target and reference sizes."""
     ids = image_position_ids(
         tuple(x.shape[-2:]),
         [tuple(r.shape[-2:]) for r in ref_latents or []],
         layout,
-        params.patch_size,
-        params.ref_index_scale,
+        token_grid(diffusion_model),
     )
     return ids.to(x.device)[None].expand(x.shape[0], -1, -1)
 
@@ -107,9 +106,7 @@ def forward_token_batch(
     Inputs must already be in the model's dtype and device, as `apply_model` would hand them.
     Only the rows marked `batch.valid` are meaningful.
     """
-    txt_ids = torch.zeros(
-        context.shape[0], context.shape[1], batch.ids.shape[-1], device=context.device, dtype=torch.float32
-    )
+    txt_ids = text_position_ids(context.shape[0], context.shape[1], batch.ids.shape[-1], context.device)
     mask = attention_bias(batch.valid, context.shape[1], dtype=batch.tokens.dtype)
     return diffusion_model.forward_orig(
         batch.tokens,

@@ -25,6 +25,7 @@ from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths, snapshot_steps
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
+from .model_family import check_model_fits
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
 from .training_run import Run, run_training
@@ -312,6 +313,7 @@ class TrainLoRA(io.ComfyNode):
         if resume_path is not None:  # only its state.json here: tensors load in the training thread
             check_resume(read_state(resume_path), config, dataset.content_hash)
         start_path = resolve_start(start_from_lora) if resume_path is None else None
+        check_model_fits(model, dataset, config.layout)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)

@@ -39,6 +39,7 @@ from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import FluxLoraSession, flux_lora_session, linear_names
+from .model_family import flux_family, text_in, token_grid
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
 
 LOGGER = logging.getLogger("kontext_trainer")
@@ -77,10 +78,6 @@ class TrainingOutcome:
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
 
 
-def base_model_name(dataset: KontextDataset) -> str:
-    return "flux1_kontext" if dataset.reference_count else "flux1_dev"
-
-
 def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estimate:
     """The estimate for this model, dataset and config (shown before training starts)."""
     flux = model.model.diffusion_model
@@ -110,19 +107,27 @@ def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
 
 
 class SampleCache:
-    """Samples read from the dataset's cache once, in the diffusion model's latent space."""
+    """Samples read from the dataset's cache once, in the diffusion model's latent space and
+    with the text as sampling hands it to the model (`model_family.text_in`)."""
 
     def __init__(self, dataset: KontextDataset, model):
         self.dataset, self.latent_in = dataset, model.model.process_latent_in
+        self.text_in = text_in(model.model)
         self._training: dict[int, Sample] = {}
+
+    def _sample(self, entry) -> Sample:
+        return self.dataset.sample(entry, latent_in=self.latent_in, text_in=self.text_in)
 
     def training(self, index: int) -> Sample:
         if index not in self._training:
-            self._training[index] = self.dataset.sample(self.dataset.entries[index], latent_in=self.latent_in)
+            self._training[index] = self._sample(self.dataset.entries[index])
         return self._training[index]
 
     def held_out(self) -> list[Sample]:
-        return [self.dataset.sample(entry, latent_in=self.latent_in) for entry in self.dataset.held_out]
+        return [self._sample(entry) for entry in self.dataset.held_out]
+
+    def empty_text(self):
+        return self.dataset.empty_text(self.text_in)
 
 
 class CheckpointWriter:
@@ -303,21 +308,23 @@ def run_training(
         record["resumed_from"] = str(resume.path)
     # data parallel: global batches of world_size x batch_size, each process trains its rows
     order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
+    family = flux_family(model)
     facts = RunFacts(
         output_name=paths.stem,
-        base_model=base_model_name(dataset),
+        base_model=family.base_model(dataset.reference_count),
         resolution=dataset.settings.resolution,
         train_images=len(dataset.entries),
         batches_per_epoch=order.per_epoch,
         dataset_hash=dataset.content_hash,
         started_at=time.time(),
         session_id=secrets.randbits(31),
+        family=family.image_model,
     )
     checkpoints = CheckpointWriter(
         paths, config, record, facts, tracker, resuming=resume is not None, collective=collective
     )
     previews = PreviewRounds(preview, run, job, tracker) if preview is not None else None
-    empty_text = dataset.empty_text() if config.caption_dropout > 0 else None
+    empty_text = samples.empty_text() if config.caption_dropout > 0 else None
     # what ComfyUI's loader must leave room for beside the weights
     working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
 
@@ -338,7 +345,7 @@ def run_training(
         def validate() -> float:
             with tracker.timed("validation"), evaluating(session.diffusion_model):
                 return held_out_loss(
-                    session.predict, held_out, config.layout, session.diffusion_model.patch_size, config.seed
+                    session.predict, held_out, config.layout, token_grid(session.diffusion_model), config.seed
                 )
 
         def on_step(info: StepInfo) -> bool:

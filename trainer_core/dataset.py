@@ -23,6 +23,10 @@ from .image_files import WHITE, read_image, upright_size
 from .sizing import check_side_cap, fit_to_area, resize_exact
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
 @dataclass
 class Encoders:
     """The user's encoders, as plain callables (the node adapts ComfyUI's VAE and CLIP)."""
@@ -81,21 +85,25 @@ class KontextDataset:
         return assign_buckets([e.target_size for e in self.entries], resolution=0)
 
     def sample(
-        self, entry: DatasetEntry, latent_in: Callable[[torch.Tensor], torch.Tensor] = lambda x: x
+        self,
+        entry: DatasetEntry,
+        latent_in: Callable[[torch.Tensor], torch.Tensor] = _same,
+        text_in: Callable[[torch.Tensor], torch.Tensor] = _same,
     ) -> Sample:
         """One training sample from the cache; `latent_in` maps VAE latents into the
-        diffusion model's space (ComfyUI's `process_latent_in`)."""
+        diffusion model's space (ComfyUI's `process_latent_in`), `text_in` a caption's
+        embedding to the model's context (FLUX.2 pads it)."""
         text = self.cache.load("text", entry.text_key)
         return Sample(
             latent_in(self.cache.load("latents", entry.target_key)["latent"]),
-            text["context"],
+            text_in(text["context"]),
             text["pooled"],
             [latent_in(self.cache.load("latents", key)["latent"]) for key in entry.reference_keys],
         )
 
-    def empty_text(self) -> EmptyText:
+    def empty_text(self, text_in: Callable[[torch.Tensor], torch.Tensor] = _same) -> EmptyText:
         text = self.cache.load("text", self.empty_text_key)
-        return EmptyText(text["context"], text["pooled"])
+        return EmptyText(text_in(text["context"]), text["pooled"])
 
 
 def _image_key(path, size, settings, encoders) -> str:

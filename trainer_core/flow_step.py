@@ -21,6 +21,7 @@ from .objective import (
     noisy_input,
     sample_sigmas,
 )
+from .position_ids import FLUX1_GRID, TokenGrid
 from .token_batch import TokenBatch, build_token_batch
 
 
@@ -73,7 +74,7 @@ def flow_matching_loss(
     config: TrainConfig,
     generator: torch.Generator,
     empty_text: EmptyText | None = None,
-    patch_size: int = 2,
+    grid: TokenGrid = FLUX1_GRID,
     rows: slice | None = None,
 ) -> torch.Tensor:
     """The batch's mean weighted loss. `rows` (data parallel, see `distributed`): `samples` is
@@ -85,7 +86,7 @@ def flow_matching_loss(
     # stay clean
     samples = drop_references(samples, config.reference_dropout, generator)
     clean = build_token_batch(
-        [s.target for s in samples], [s.references for s in samples], config.layout, patch_size
+        [s.target for s in samples], [s.references for s in samples], config.layout, grid
     )
     batch, device = len(samples), clean.tokens.device
     # 2) one sigma per sample (Flux's shift depends on each sample's own target token count)
@@ -115,7 +116,7 @@ def flow_matching_loss(
         [samples[i].target for i in chosen],
         [samples[i].references for i in chosen],
         config.layout,
-        patch_size,
+        grid,
     )
     index, length = torch.tensor(chosen), mine.tokens.shape[1]
     loss = _loss_at(
@@ -132,12 +133,12 @@ def flow_matching_loss(
 
 
 def fixed_noise_loss(
-    predict: Predict, sample: Sample, layout: str, patch_size: int, sigma: float, noise_seed: int
+    predict: Predict, sample: Sample, layout: str, grid: TokenGrid, sigma: float, noise_seed: int
 ) -> torch.Tensor:
     """The unweighted flow loss of one sample at noise level `sigma` with the noise drawn from
     its own generator seeded by `noise_seed`: the same value for the same model, and no draw
     from any other random state (held-out validation)."""
-    clean = build_token_batch([sample.target], [sample.references], layout, patch_size)
+    clean = build_token_batch([sample.target], [sample.references], layout, grid)
     noise = torch.randn(clean.tokens.shape, generator=torch.Generator().manual_seed(noise_seed))
     sigmas = torch.tensor([float(sigma)])
     return _loss_at(

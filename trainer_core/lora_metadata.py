@@ -28,15 +28,15 @@ from safetensors.torch import save as serialise
 from . import __version__
 from .config import TrainConfig
 from .lora_file import LoraModule, save_atomic, to_state_dict
+from .model_family import FAMILIES
 
 NETWORK_MODULE = "networks.lora_flux"  # sd-scripts' Flux LoRA module
-BASE_MODEL_VERSION = "flux1"  # sd-scripts' name for every FLUX.1 model, Kontext included
 MODELSPEC_VERSION = "1.0.1"  # what sd-scripts writes
 FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
-# The model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
-# so, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
+# ss_base_model_version and modelspec.architecture come from the family (`model_family`). The
+# model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
+# flux-1-dev, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
 # kontext_trainer.base_model.
-ARCHITECTURE = "flux-1-dev/lora"
 OPTIMIZER_CLASSES = {"adamw": "torch.optim.adamw.AdamW", "adafactor": "torch.optim.Adafactor"}
 
 _HASH_BLOCK = 1 << 20  # sd-scripts hashes the data section in 1 MiB reads
@@ -48,13 +48,14 @@ class RunFacts:
     """What the metadata says about one run beyond its config."""
 
     output_name: str  # the LoRA's file name without .safetensors
-    base_model: str  # ours: "flux1_dev" (no references) or "flux1_kontext"
+    base_model: str  # ours: "flux1_dev" (no references), "flux1_kontext" or "flux2_dev"
     resolution: int
     train_images: int  # training samples (held-out ones not counted)
     batches_per_epoch: int  # micro-batches in one pass over them (`loop.DataOrder.per_epoch`)
     dataset_hash: str
     started_at: float  # time.time() when the run started
     session_id: int
+    family: str = "flux"  # ComfyUI's image_model (`model_family.FAMILIES`)
 
 
 def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[str, str]:
@@ -67,6 +68,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     network_args = {"targets": config.targets, "dropout": config.dropout or None}
     samples_per_step = config.batch_size * config.gradient_accumulation
     per_epoch, accumulation = facts.batches_per_epoch, config.gradient_accumulation
+    family = FAMILIES[facts.family]
     kohya = {
         "ss_session_id": str(facts.session_id),
         "ss_training_started_at": str(facts.started_at),
@@ -95,7 +97,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_network_alpha": str(config.alpha),
         "ss_network_dropout": str(config.dropout),
         "ss_network_args": json.dumps(network_args),
-        "ss_base_model_version": BASE_MODEL_VERSION,
+        "ss_base_model_version": family.base_model_version,
         "ss_v2": "False",
         "ss_resolution": f"({facts.resolution}, {facts.resolution})",
         "ss_caption_dropout_rate": str(config.caption_dropout),
@@ -113,7 +115,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     }
     spec = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
-        "modelspec.architecture": ARCHITECTURE,
+        "modelspec.architecture": family.architecture,
         "modelspec.implementation": FLUX_IMPLEMENTATION,
         "modelspec.implementation_version": f"kontext-trainer/{__version__}",
         "modelspec.title": facts.output_name,

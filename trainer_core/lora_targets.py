@@ -5,6 +5,11 @@ Flux double blocks have separate attention (`img_attn.qkv/proj`, `txt_attn.qkv/p
 blocks fuse attention and MLP: `linear1` computes qkv and the MLP input together, `linear2`
 the attention projection and the MLP output together. Their attention cannot be adapted
 without their MLP, so every preset includes both fused layers.
+
+FLUX.2 has the same block layers (no biases; its MLPs are SiLU-gated, `mlp.0` twice as wide)
+but no per-block modulation: three model-wide layers (`double_stream_modulation_img.lin`,
+`double_stream_modulation_txt.lin`, `single_stream_modulation.lin`) modulate every block, and
+`all_linear` adapts those instead.
 """
 
 from __future__ import annotations
@@ -17,12 +22,17 @@ _MLP = ("img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2")
 _MODULATION = ("img_mod.lin", "txt_mod.lin")
 _SINGLE_FUSED = ("linear1", "linear2")
 _SINGLE_MODULATION = ("modulation.lin",)
+_GLOBAL_MODULATION = (
+    "double_stream_modulation_img.lin",
+    "double_stream_modulation_txt.lin",
+    "single_stream_modulation.lin",
+)
 
-# preset -> (double-block layers, single-block layers)
-TARGET_PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
-    "attention": (_ATTENTION, _SINGLE_FUSED),
-    "attention_mlp": (_ATTENTION + _MLP, _SINGLE_FUSED),
-    "all_linear": (_ATTENTION + _MLP + _MODULATION, _SINGLE_FUSED + _SINGLE_MODULATION),
+# preset -> (double-block layers, single-block layers, model-wide layers)
+TARGET_PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    "attention": (_ATTENTION, _SINGLE_FUSED, ()),
+    "attention_mlp": (_ATTENTION + _MLP, _SINGLE_FUSED, ()),
+    "all_linear": (_ATTENTION + _MLP + _MODULATION, _SINGLE_FUSED + _SINGLE_MODULATION, _GLOBAL_MODULATION),
 }
 
 
@@ -35,9 +45,11 @@ def check_preset(preset: str) -> str:
 def target_module_names(linear_names: Iterable[str], preset: str) -> list[str]:
     """The names among `linear_names` (the model's Linear modules) that `preset` adapts, in
     the model's order."""
-    double, single = TARGET_PRESETS[check_preset(preset)]
-    pattern = re.compile(
-        rf"double_blocks\.\d+\.({'|'.join(map(re.escape, double))})"
-        rf"|single_blocks\.\d+\.({'|'.join(map(re.escape, single))})"
-    )
+    double, single, model_wide = TARGET_PRESETS[check_preset(preset)]
+    alternatives = [
+        rf"double_blocks\.\d+\.({'|'.join(map(re.escape, double))})",
+        rf"single_blocks\.\d+\.({'|'.join(map(re.escape, single))})",
+        *map(re.escape, model_wide),
+    ]
+    pattern = re.compile("|".join(alternatives))
     return [name for name in linear_names if pattern.fullmatch(name)]

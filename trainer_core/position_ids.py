@@ -1,9 +1,12 @@
 """Position ids of the image tokens for Flux with reference images: one implementation for
 every layout, used by training and by inference alike.
 
-Flux gives each image token three RoPE coordinates: (domain index, row, column), rows and
-columns in patch units. The target image is domain 0 at the origin; the reference layouts
-differ in where they place each reference:
+FLUX.1 gives each image token three RoPE coordinates: (domain index, row, column), rows and
+columns in patch units (2x2 latent pixels). FLUX.2 has a fourth axis (zero on image tokens,
+the token's position on text tokens) and 1x1 patches of its 128-channel latents; its index
+layout steps by 10 (ComfyUI's `ref_index_scale`). A `TokenGrid` carries those three facts of
+a model. The target image is domain 0 at the origin; the reference layouts differ in where
+they place each reference:
 
 - ``offset`` (ComfyUI's default for Kontext): every reference has index 1; each one goes to
   the right of, or below, the bounding box of the previous ones, whichever keeps the box
@@ -15,13 +18,14 @@ differ in where they place each reference:
 
 With one reference, ``offset``, ``index`` and ``dreamomni2`` all give plain Kontext ids
 (index 1, no offset). ``offset``/``index``/``uxo`` reproduce ComfyUI 0.3.75
-(`comfy/ldm/flux/model.py`: `Flux._forward` and `process_img`) value for value; the tests
-check that against ComfyUI's own forward.
+(`comfy/ldm/flux/model.py`: `Flux._forward` and `process_img`) value for value, for FLUX.1
+and FLUX.2; the tests check that against ComfyUI's own forward.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -30,6 +34,19 @@ LAYOUTS = ("offset", "index", "uxo", "dreamomni2")
 COMFY_NATIVE_LAYOUTS = ("offset", "index", "uxo")
 
 LatentSize = tuple[int, int]  # (height, width) of a latent, in latent pixels
+
+
+@dataclass(frozen=True)
+class TokenGrid:
+    """How a Flux model turns latents into tokens and ids (its `FluxParams`): FLUX.1 is the
+    default; FLUX.2 is `TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)`."""
+
+    patch_size: int = 2
+    axes: int = 3  # RoPE axes: (index, row, column) [+ text position on FLUX.2]
+    ref_index_scale: float = 1.0  # the index step of the `index` layout
+
+
+FLUX1_GRID = TokenGrid()
 
 
 def check_layout(layout: str) -> str:
@@ -45,15 +62,30 @@ def patch_grid(size: LatentSize, patch_size: int = 2) -> tuple[int, int]:
 
 
 def grid_ids(
-    size: LatentSize, index: float, row_offset: float, col_offset: float, patch_size: int = 2
+    size: LatentSize,
+    index: float,
+    row_offset: float,
+    col_offset: float,
+    patch_size: int = 2,
+    axes: int = 3,
 ) -> torch.Tensor:
-    """Ids of one image's tokens in raster order, shape (rows * cols, 3); offsets in patches."""
+    """Ids of one image's tokens in raster order, shape (rows * cols, axes); offsets in
+    patches; any axis after the column (FLUX.2's fourth) is zero on image tokens."""
     rows, cols = patch_grid(size, patch_size)
-    ids = torch.zeros(rows, cols, 3, dtype=torch.float32)
+    ids = torch.zeros(rows, cols, axes, dtype=torch.float32)
     ids[..., 0] = index
     ids[..., 1] = torch.arange(rows, dtype=torch.float32)[:, None] + row_offset
     ids[..., 2] = torch.arange(cols, dtype=torch.float32)[None, :] + col_offset
-    return ids.reshape(rows * cols, 3)
+    return ids.reshape(rows * cols, axes)
+
+
+def text_position_ids(batch: int, length: int, axes: int = 3, device=None) -> torch.Tensor:
+    """(batch, length, axes) ids of the text tokens: zero on FLUX.1; on FLUX.2 the fourth axis
+    counts the tokens 0 .. length - 1 (ComfyUI's `Flux._forward` for 4 axes)."""
+    ids = torch.zeros(batch, length, axes, dtype=torch.float32, device=device)
+    if axes == 4:
+        ids[..., 3] = torch.arange(length, dtype=torch.float32, device=device)
+    return ids
 
 
 def _latent_to_patches(offset: int, patch_size: int) -> int:
@@ -65,11 +97,11 @@ def reference_placements(
     target: LatentSize,
     references: Sequence[LatentSize],
     layout: str,
-    patch_size: int = 2,
-    ref_index_scale: float = 1.0,
+    grid: TokenGrid = FLUX1_GRID,
 ) -> list[tuple[float, int, int]]:
     """(index, row offset, column offset) of each reference, offsets in patch units."""
     check_layout(layout)
+    patch_size = grid.patch_size
     target_rows, target_cols = patch_grid(target, patch_size)
     placements = []
     box_h = box_w = 0  # running extents in latent pixels (offset and uxo layouts)
@@ -89,7 +121,7 @@ def reference_placements(
                 (1.0, _latent_to_patches(h_off, patch_size), _latent_to_patches(w_off, patch_size))
             )
         elif layout == "index":
-            index += ref_index_scale
+            index += grid.ref_index_scale
             placements.append((index, 0, 0))
         elif layout == "uxo":
             h_off = target_rows * patch_size + box_h
@@ -108,13 +140,12 @@ def image_position_ids(
     target: LatentSize,
     references: Sequence[LatentSize],
     layout: str,
-    patch_size: int = 2,
-    ref_index_scale: float = 1.0,
+    grid: TokenGrid = FLUX1_GRID,
 ) -> torch.Tensor:
-    """Ids of one sample's image tokens: target first, then each reference. Shape (L, 3)."""
-    parts = [grid_ids(target, 0.0, 0, 0, patch_size)]
+    """Ids of one sample's image tokens: target first, then each reference. Shape (L, axes)."""
+    parts = [grid_ids(target, 0.0, 0, 0, grid.patch_size, grid.axes)]
     for size, (index, row_off, col_off) in zip(
-        references, reference_placements(target, references, layout, patch_size, ref_index_scale), strict=True
+        references, reference_placements(target, references, layout, grid), strict=True
     ):
-        parts.append(grid_ids(size, index, row_off, col_off, patch_size))
+        parts.append(grid_ids(size, index, row_off, col_off, grid.patch_size, grid.axes))
     return torch.cat(parts, dim=0)

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from .position_ids import image_position_ids
+from .position_ids import FLUX1_GRID, TokenGrid, image_position_ids
 
 
 def pack_latent(latent: torch.Tensor, patch_size: int = 2) -> torch.Tensor:
@@ -44,11 +44,11 @@ def unpack_tokens(tokens: torch.Tensor, height: int, width: int, patch_size: int
 @dataclass
 class TokenBatch:
     tokens: torch.Tensor  # (B, L, C*p*p) image tokens, padded with pad_value
-    ids: torch.Tensor  # (B, L, 3) position ids, zero on padding
+    ids: torch.Tensor  # (B, L, axes) position ids, zero on padding
     valid: torch.Tensor  # (B, L) bool: a real token (target or reference)
     target: torch.Tensor  # (B, L) bool: a target token (what the loss sees)
     target_sizes: list[tuple[int, int]]  # per-sample target latent (H, W)
-    patch_size: int = 2
+    grid: TokenGrid = FLUX1_GRID
     reference_sizes: list[list[tuple[int, int]]] = field(default_factory=list)  # per sample, (h, w) each
 
     def is_uniform(self) -> bool:
@@ -64,8 +64,9 @@ class TokenBatch:
             raise ValueError("split_latents needs a batch whose samples share all sizes")
         pieces, start = [], 0
         for height, width in [self.target_sizes[0], *self.reference_sizes[0]]:
-            count = (height // self.patch_size) * (width // self.patch_size)
-            pieces.append(unpack_tokens(tokens[:, start : start + count], height, width, self.patch_size))
+            patch = self.grid.patch_size
+            count = (height // patch) * (width // patch)
+            pieces.append(unpack_tokens(tokens[:, start : start + count], height, width, patch))
             start += count
         return pieces[0], pieces[1:]
 
@@ -74,7 +75,7 @@ class TokenBatch:
         out = []
         for i, (height, width) in enumerate(self.target_sizes):
             rows = tokens[i, self.target[i]]
-            out.append(unpack_tokens(rows[None], height, width, self.patch_size)[0])
+            out.append(unpack_tokens(rows[None], height, width, self.grid.patch_size)[0])
         return out
 
 
@@ -82,8 +83,7 @@ def build_token_batch(
     targets: Sequence[torch.Tensor],
     references: Sequence[Sequence[torch.Tensor]],
     layout: str,
-    patch_size: int = 2,
-    ref_index_scale: float = 1.0,
+    grid: TokenGrid = FLUX1_GRID,
     pad_value: float = 0.0,
 ) -> TokenBatch:
     """Pack per-sample (C, H, W) targets and their references into one padded batch."""
@@ -93,8 +93,8 @@ def build_token_batch(
         raise ValueError("an empty batch")
     token_rows, id_rows, target_lengths = [], [], []
     for target, refs in zip(targets, references, strict=True):
-        pieces = [pack_latent(target[None], patch_size)[0]] + [
-            pack_latent(r[None], patch_size)[0] for r in refs
+        pieces = [pack_latent(target[None], grid.patch_size)[0]] + [
+            pack_latent(r[None], grid.patch_size)[0] for r in refs
         ]
         token_rows.append(torch.cat(pieces, dim=0))
         id_rows.append(
@@ -102,8 +102,7 @@ def build_token_batch(
                 tuple(target.shape[-2:]),
                 [tuple(r.shape[-2:]) for r in refs],
                 layout,
-                patch_size,
-                ref_index_scale,
+                grid,
             )
         )
         target_lengths.append(pieces[0].shape[0])
@@ -112,7 +111,7 @@ def build_token_batch(
     tokens = torch.full(
         (batch, longest, dim), pad_value, dtype=token_rows[0].dtype, device=token_rows[0].device
     )
-    ids = torch.zeros(batch, longest, 3, dtype=torch.float32, device=tokens.device)
+    ids = torch.zeros(batch, longest, grid.axes, dtype=torch.float32, device=tokens.device)
     valid = torch.zeros(batch, longest, dtype=torch.bool, device=tokens.device)
     target = torch.zeros_like(valid)
     for i, (rows, sample_ids, n_target) in enumerate(zip(token_rows, id_rows, target_lengths, strict=True)):
@@ -126,7 +125,7 @@ def build_token_batch(
         valid,
         target,
         [tuple(t.shape[-2:]) for t in targets],
-        patch_size,
+        grid,
         [[tuple(r.shape[-2:]) for r in refs] for refs in references],
     )
 

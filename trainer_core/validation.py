@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .flow_step import Predict, Sample, fixed_noise_loss
+from .position_ids import TokenGrid
 
 # Spread over the range training draws from; the same for every run, so curves compare.
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -43,7 +44,7 @@ def held_out_loss(
     predict: Predict,
     samples: Sequence[Sample],
     layout: str,
-    patch_size: int,
+    grid: TokenGrid,
     seed: int,
     sigmas: Sequence[float] = VALIDATION_SIGMAS,
 ) -> float:
@@ -54,6 +55,6 @@ def held_out_loss(
     for i, sample in enumerate(samples):
         for j, sigma in enumerate(sigmas):
             total += float(
-                fixed_noise_loss(predict, sample, layout, patch_size, sigma, noise_seed(seed, i, j))
+                fixed_noise_loss(predict, sample, layout, grid, sigma, noise_seed(seed, i, j))
             )
     return total / (len(samples) * len(sigmas))

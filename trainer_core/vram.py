@@ -40,7 +40,12 @@ class FluxShape:
     single_blocks: int = 38
     patch_channels: int = 64  # 16 latent channels x 2 x 2 patches
     context_dim: int = 4096  # T5-XXL
-    vec_dim: int = 768  # CLIP-L pooled
+    vec_dim: int | None = 768  # CLIP-L pooled (FLUX.2: none)
+    # FLUX.2: SiLU-gated MLPs (their first layer twice as wide), no biases, and three model-wide
+    # modulation layers instead of one per block
+    gated_mlp: bool = False
+    biases: bool = True
+    global_modulation: bool = False
 
     @classmethod
     def of(cls, params) -> FluxShape:
@@ -53,43 +58,59 @@ class FluxShape:
             patch_channels=params.in_channels * params.patch_size**2,
             context_dim=params.context_in_dim,
             vec_dim=params.vec_in_dim,
+            gated_mlp=getattr(params, "mlp_silu_act", False),
+            biases=getattr(params, "ops_bias", True),
+            global_modulation=getattr(params, "global_modulation", False),
         )
 
     @property
     def mlp(self) -> int:
         return int(self.hidden * self.mlp_ratio)
 
+    @property
+    def mlp_in(self) -> int:
+        return 2 * self.mlp if self.gated_mlp else self.mlp
+
     def double_block_linears(self) -> list[tuple[int, int]]:
         """(in, out) of every Linear in a double block (image and text streams)."""
         h = self.hidden
-        stream = [(h, 6 * h), (h, 3 * h), (h, h), (h, self.mlp), (self.mlp, h)]
+        modulation = [] if self.global_modulation else [(h, 6 * h)]
+        stream = [*modulation, (h, 3 * h), (h, h), (h, self.mlp_in), (self.mlp, h)]
         return stream + stream
 
     def single_block_linears(self) -> list[tuple[int, int]]:
         h = self.hidden
-        return [(h, 3 * h + self.mlp), (h + self.mlp, h), (h, 3 * h)]
+        modulation = [] if self.global_modulation else [(h, 3 * h)]
+        return [(h, 3 * h + self.mlp_in), (h + self.mlp, h), *modulation]
+
+    def _weights(self, pairs) -> int:
+        return sum(i * o + (o if self.biases else 0) for i, o in pairs)
 
     def double_block_modulation(self) -> int:
         """Weights of a double block's two modulation layers (kept as loaded by fp8_scaled)."""
         h = self.hidden
-        return 2 * (h * 6 * h + 6 * h)
+        return 0 if self.global_modulation else 2 * (h * 6 * h + 6 * h)
 
     def single_block_modulation(self) -> int:
         h = self.hidden
-        return h * 3 * h + 3 * h
+        return 0 if self.global_modulation else h * 3 * h + 3 * h
 
     def double_block_weights(self) -> int:
-        return sum(i * o + o for i, o in self.double_block_linears())
+        return self._weights(self.double_block_linears())
 
     def single_block_weights(self) -> int:
-        return sum(i * o + o for i, o in self.single_block_linears())
+        return self._weights(self.single_block_linears())
 
     def other_weights(self) -> int:
-        """Embedders and the final layer (never swapped)."""
+        """Embedders, the model-wide modulation (FLUX.2) and the final layer (never swapped)."""
         h = self.hidden
-        pairs = [(self.patch_channels, h), (self.context_dim, h), (256, h), (h, h), (self.vec_dim, h), (h, h)]
+        pairs = [(self.patch_channels, h), (self.context_dim, h), (256, h), (h, h)]  # img, txt, time
+        if self.vec_dim:
+            pairs += [(self.vec_dim, h), (h, h)]
+        if self.global_modulation:
+            pairs += [(h, 6 * h), (h, 6 * h), (h, 3 * h)]
         pairs += [(256, h), (h, h), (h, 2 * h), (h, self.patch_channels)]  # guidance, final
-        return sum(i * o + o for i, o in pairs)
+        return self._weights(pairs)
 
 
 def module_weight_bytes(module) -> int:

@@ -15,16 +15,24 @@ def tiny_samples(
     reference_sizes: Sequence[tuple[int, int]] = (),
     dtype: torch.dtype = torch.float32,
     target: tuple[int, int] = (8, 8),
+    channels: int = 16,
+    pooled: int = 32,
 ) -> list:
-    """`count` samples for the tiny Flux (16 latent channels, 5x48 text, pooled 32); per
-    sample the draws are target, context, pooled, then each reference."""
+    """`count` samples for the tiny Flux (16 latent channels, 5x48 text, pooled 32; the tiny
+    FLUX.2 takes channels=128, pooled=0); per sample the draws are target, context, pooled,
+    then each reference."""
     gen = torch.Generator().manual_seed(seed)
 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(dtype)
 
     return [
-        Sample(randn(16, *target), randn(5, 48), randn(32), [randn(16, *size) for size in reference_sizes])
+        Sample(
+            randn(channels, *target),
+            randn(5, 48),
+            randn(pooled),
+            [randn(channels, *size) for size in reference_sizes],
+        )
         for _ in range(count)
     ]
 
@@ -37,20 +45,20 @@ def model_output(
     text: tuple[int, int] = (5, 48),
     pooled: int = 32,
     transformer_options: dict | None = None,
+    channels: int = 16,
 ) -> torch.Tensor:
     """Load `model` the normal way, then ComfyUI's `apply_model` on a fixed input (draws: the
-    latent, each reference, the context, the pooled vector) with the patcher's options."""
+    latent, each reference, the context, the pooled vector) with the patcher's options.
+    FLUX.2: channels=128, pooled=0 (no pooled vector)."""
     import comfy.model_management
 
     comfy.model_management.load_models_gpu([model])
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 16, 8, 8, generator=gen)
-    refs = [torch.randn(1, 16, *size, generator=gen) for size in references]
-    cond = {
-        "c_crossattn": torch.randn(1, *text, generator=gen),
-        "y": torch.randn(1, pooled, generator=gen),
-        "guidance": torch.tensor([1.0]),
-    }
+    x = torch.randn(1, channels, 8, 8, generator=gen)
+    refs = [torch.randn(1, channels, *size, generator=gen) for size in references]
+    cond = {"c_crossattn": torch.randn(1, *text, generator=gen), "guidance": torch.tensor([1.0])}
+    if pooled:
+        cond["y"] = torch.randn(1, pooled, generator=gen)
     if refs:
         cond["ref_latents"] = refs
     options = (

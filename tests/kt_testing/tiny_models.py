@@ -6,6 +6,8 @@ memory `torch.empty` returned; `seeded_init_` gives every parameter a reproducib
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
@@ -27,6 +29,34 @@ TINY_FLUX_CONFIG = {
     "patch_size": 2,
     "qkv_bias": True,
     "guidance_embed": True,
+}
+
+# FLUX.2 [dev] as ComfyUI detects it (comfy/model_detection.py, image_model flux2): global
+# modulation, SiLU-gated MLPs, no biases, 4 RoPE axes, theta 2000, 1x1 patches of 128-channel
+# latents, references in the index layout with steps of 10, no pooled text (vec_in_dim None);
+# only the widths are tiny: hidden 128 (head dim 64 = 4 axes of 16), as wide as a token, so the
+# tiny model can learn a per-token edit of all 128 channels.
+TINY_FLUX2_CONFIG = {
+    "image_model": "flux2",
+    "in_channels": 128,
+    "out_channels": 128,
+    "vec_in_dim": None,
+    "context_in_dim": 48,
+    "hidden_size": 128,
+    "mlp_ratio": 3.0,
+    "num_heads": 2,
+    "depth": 2,
+    "depth_single_blocks": 2,
+    "axes_dim": [16, 16, 16, 16],
+    "theta": 2000,
+    "patch_size": 1,
+    "qkv_bias": False,
+    "guidance_embed": True,
+    "global_modulation": True,
+    "mlp_silu_act": True,
+    "ops_bias": False,
+    "default_ref_method": "index",
+    "ref_index_scale": 10.0,
 }
 
 # A Flux VAE with the real topology (4 levels, 8x downscale, 16 latent channels) but narrow.
@@ -63,12 +93,14 @@ def build_flux_model(
     manual_cast_dtype: torch.dtype | None = None,
     init=seeded_init_,
 ):
-    """A `comfy.model_base.Flux` from `comfy.supported_models.Flux(unet_config)`, its weights
-    filled by `init(module, seed)`. With `manual_cast_dtype`, weights are stored in `dtype` and
-    computed in that one, as the stock UNETLoader does for weight_dtype fp8."""
+    """A `comfy.model_base.Flux` (or `Flux2`) from ComfyUI's model config for
+    `unet_config["image_model"]`, its weights filled by `init(module, seed)`. With
+    `manual_cast_dtype`, weights are stored in `dtype` and computed in that one, as the stock
+    UNETLoader does for weight_dtype fp8."""
     import comfy.supported_models
 
-    model_config = comfy.supported_models.Flux(dict(unet_config))
+    family = {"flux": comfy.supported_models.Flux, "flux2": comfy.supported_models.Flux2}
+    model_config = family[unet_config["image_model"]](dict(unet_config))
     model_config.set_inference_dtype(dtype, manual_cast_dtype)
     model = model_config.get_model({})
     init(model.diffusion_model, seed)
@@ -95,6 +127,34 @@ def tiny_flux_patcher(
 ):
     """A MODEL (ModelPatcher) around a tiny Flux, as a stock loader would hand it over."""
     return flux_patcher(build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype, manual_cast_dtype))
+
+
+def tiny_flux2_patcher(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    manual_cast_dtype: torch.dtype | None = None,
+    **overrides,
+):
+    """A MODEL (ModelPatcher) around a tiny FLUX.2."""
+    return flux_patcher(build_flux_model({**TINY_FLUX2_CONFIG, **overrides}, seed, dtype, manual_cast_dtype))
+
+
+def small_flux2_vae(seed: int = 0):
+    """A ComfyUI VAE with FLUX.2's latent rule but few channels: 32 z channels, then the 2x2
+    pack and batch-norm of `batch_norm_latent` (comfy/ldm/models/autoencoder.py), so latents
+    have 128 channels at 1/16 of the image size, as FLUX.2's VAE gives them."""
+    import comfy.sd
+    from comfy.ldm.models.autoencoder import AutoencoderKL
+
+    ddconfig = {**SMALL_VAE_DDCONFIG, "z_channels": 32, "batch_norm_latent": True}
+    encoder_decoder = {"ddconfig": ddconfig, "embed_dim": 32}
+    autoencoder = seeded_init_(AutoencoderKL(**encoder_decoder), seed)
+    gen = torch.Generator().manual_seed(seed + 1)  # running statistics: not 0 / 1, so they matter
+    autoencoder.bn.running_mean.copy_(0.1 * torch.randn(128, generator=gen))
+    autoencoder.bn.running_var.copy_(0.5 + torch.rand(128, generator=gen))
+    vae = comfy.sd.VAE(sd=autoencoder.state_dict(), config={"params": encoder_decoder})
+    vae.latent_channels, vae.downscale_ratio, vae.upscale_ratio = 128, 16, 16
+    return vae
 
 
 def small_flux_vae(seed: int = 0):
@@ -130,18 +190,25 @@ TINY_CLIP_CONFIG = {
 }
 
 
-def tiny_clip(seed: int = 0):
+def tiny_clip(seed: int = 0, pooled: bool = True):
     """A real ComfyUI CLIP object (CLIP-L tokenizer, `SD1ClipModel`) with a one-layer narrow
-    text model and seeded weights."""
+    text model and seeded weights. `pooled=False`: its model returns no pooled output, as
+    FLUX.2's Mistral text encoder does (ComfyUI's `Flux2TEModel` passes the pooled value of
+    its Llama-type model through, and that model has none)."""
     import functools
 
     import comfy.sd
     import comfy.sd1_clip
 
+    class WithoutPooled(comfy.sd1_clip.SD1ClipModel):
+        def encode_token_weights(self, token_weight_pairs):
+            out, _pooled, *extra = super().encode_token_weights(token_weight_pairs)
+            return (out, None, *extra)
+
     class Target:
         params: ClassVar[dict] = {}
         clip = functools.partial(
-            comfy.sd1_clip.SD1ClipModel,
+            comfy.sd1_clip.SD1ClipModel if pooled else WithoutPooled,
             clip_model=functools.partial(comfy.sd1_clip.SDClipModel, textmodel_json_config=TINY_CLIP_CONFIG),
         )
         tokenizer = comfy.sd1_clip.SD1Tokenizer
@@ -149,3 +216,22 @@ def tiny_clip(seed: int = 0):
     clip = comfy.sd.CLIP(target=Target, model_options={"dtype": torch.float32})
     seeded_init_(clip.cond_stage_model, seed)
     return clip
+
+
+@dataclass(frozen=True)
+class TinyFamily:
+    """What a test needs to run the same check on the tiny FLUX.1 and the tiny FLUX.2."""
+
+    name: str  # ComfyUI's image_model
+    patcher: Callable  # (seed=..., dtype=...) -> MODEL
+    channels: int  # latent channels
+    pooled: int  # pooled text width (0: none)
+    layout: str  # the family's default reference layout
+    vae: Callable  # (seed) -> a ComfyUI VAE for it
+    grid: tuple[int, int, float]  # TokenGrid(patch_size, axes, ref_index_scale)
+
+
+TINY_FAMILIES = {
+    "flux": TinyFamily("flux", tiny_flux_patcher, 16, 32, "offset", small_flux_vae, (2, 3, 1.0)),
+    "flux2": TinyFamily("flux2", tiny_flux2_patcher, 128, 0, "index", small_flux2_vae, (1, 4, 10.0)),
+}

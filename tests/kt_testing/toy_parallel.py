@@ -21,6 +21,7 @@ from trainer_core.config import TrainConfig
 from trainer_core.distributed import Collective
 from trainer_core.flow_step import EmptyText, Sample, flow_matching_loss
 from trainer_core.loop import DataOrder, train
+from trainer_core.position_ids import TokenGrid
 
 CHANNELS, PATCH, TEXT_DIM, TEXT_TOKENS = 4, 2, 8, 3
 TOKEN_DIM = CHANNELS * PATCH * PATCH
@@ -99,7 +100,7 @@ def run(config: TrainConfig, collective: Collective | None = None) -> tuple[list
 
     def loss_fn(batch, generator):
         rows = collective.rows(len(batch), config.batch_size) if collective is not None else None
-        return flow_matching_loss(model, batch, config, generator, empty, PATCH, rows)
+        return flow_matching_loss(model, batch, config, generator, empty, TokenGrid(PATCH), rows)
 
     result = train(
         config,

@@ -8,8 +8,9 @@ import importlib
 import pytest
 import torch
 
+from kt_testing.gradients import randomise_lora, worst_directional_error
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import tiny_flux_patcher
+from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
@@ -48,27 +49,14 @@ def test_out_of_place_blocks_reproduce_comfyui_blocks_exactly(ft, pack):
     )
 
 
-def _randomise_lora(session, seed):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for param in session.lora.parameters():
-            param.copy_(torch.randn(param.shape, generator=gen, dtype=param.dtype) * 0.05)
-
-
 def _loss(session, samples):
     return session.loss(samples, torch.Generator().manual_seed(11))
 
 
-def _unit_direction(tensors, generator):
-    """A random direction through `tensors`: one Gaussian draw of each shape, unit length over all."""
-    draws = [torch.randn(t.shape, generator=generator, dtype=t.dtype) for t in tensors]
-    norm = torch.sqrt(sum((d * d).sum() for d in draws))
-    return [d / norm for d in draws]
-
-
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 @pytest.mark.parametrize("references", [0, 1, 2])
-def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpointing):
+def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpointing, family):
     """autograd's directional derivative <grad, d> against a fourth-order central difference
     of the loss (Richardson: (8 (f(h) - f(-h)) - (f(2h) - f(-2h))) / 12h) along random unit
     directions d: one per adapted layer (its lora_A and lora_B moved together, every other
@@ -81,39 +69,28 @@ def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpo
 
     The model is float64, but ComfyUI's rope rotates q and k in float32 whatever the model
     dtype, so the loss carries ~1e-9 relative rounding. h = 1e-2 keeps that rounding and the
-    O(h^4) truncation far below the bound, 1e-3 of the gradient's norm (|<grad, d>| <= |grad|)."""
-    model = tiny_flux_patcher(seed=5, dtype=torch.float64)
-    samples = tiny_samples(Sample, 2, references, [(8, 6), (4, 8)][:references], dtype=torch.float64)
+    O(h^4) truncation far below the bound, 1e-3 of the gradient's norm (|<grad, d>| <= |grad|).
+    FLUX.2: all_linear includes its three model-wide modulation layers; its references sit
+    in its index layout."""
+    tiny = TINY_FAMILIES[family]
+    model = tiny.patcher(seed=5, dtype=torch.float64)
+    sizes = [(8, 6), (4, 8)][:references]
+    samples = tiny_samples(
+        Sample, 2, references, sizes, dtype=torch.float64, channels=tiny.channels, pooled=tiny.pooled
+    )
     config = ft.TrainConfig(
-        rank=3, alpha=1.5, targets="all_linear", gradient_checkpointing=checkpointing, seed=1
+        rank=3,
+        alpha=1.5,
+        targets="all_linear",
+        gradient_checkpointing=checkpointing,
+        seed=1,
+        layout=tiny.layout,
     )
     with ft.flux_lora_session(model, config) as session:
-        _randomise_lora(session, seed=2)
+        randomise_lora(session, seed=2)
         params = session.lora.parameters()
         assert {p.dtype for p in params} == {torch.float64}
-        grads = torch.autograd.grad(_loss(session, samples), params)
-        for index in range(0, len(params), 2):  # (lora_A, lora_B) of one layer: both receive a gradient
-            assert all(float(g.abs().max()) > 1e-8 for g in grads[index : index + 2])
-
-        def derivative(tensors, directions, h=1e-2):
-            def shifted(step):
-                with torch.no_grad():
-                    for p, d in zip(tensors, directions, strict=True):
-                        p.add_(step * d)
-                    value = float(_loss(session, samples))
-                    for p, d in zip(tensors, directions, strict=True):
-                        p.sub_(step * d)
-                return value
-
-            return (8 * (shifted(h) - shifted(-h)) - (shifted(2 * h) - shifted(-2 * h))) / (12 * h)
-
-        pairs = [slice(i, i + 2) for i in range(0, len(params), 2)]
-        generator, worst = torch.Generator().manual_seed(3), 0.0
-        for part in [*pairs, slice(None)]:  # each layer, then everything at once
-            directions = _unit_direction(params[part], generator)
-            analytic = float(sum((g * d).sum() for g, d in zip(grads[part], directions, strict=True)))
-            norm = float(torch.sqrt(sum((g * g).sum() for g in grads[part])))
-            worst = max(worst, abs(derivative(params[part], directions) - analytic) / norm)
+        worst = worst_directional_error(lambda: _loss(session, samples), params)
         assert worst <= 1e-3, f"error {worst:.2e} of the gradient's norm"
 
 
@@ -124,7 +101,7 @@ def test_checkpointing_gives_the_same_gradients(ft, Sample):
     for checkpointing in (False, True):
         config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
         with ft.flux_lora_session(model, config) as session:
-            _randomise_lora(session, seed=7)
+            randomise_lora(session, seed=7)
             grads.append(torch.autograd.grad(_loss(session, samples), session.lora.parameters()))
     for plain, checkpointed in zip(*grads, strict=True):
         torch.testing.assert_close(plain, checkpointed, rtol=1e-12, atol=1e-14)
@@ -149,7 +126,7 @@ def test_padded_mixed_size_batch_equals_comfyui_call_per_sample(ft, Sample, pack
         return batch, session.predict(batch, sigma, context, pooled)
 
     with ft.flux_lora_session(model, config) as session:
-        _randomise_lora(session, seed=9)
+        randomise_lora(session, seed=9)
         with torch.no_grad():
             mixed, together = predict(session, first + second, sigma)
             assert not mixed.is_uniform()
@@ -195,7 +172,7 @@ def test_no_full_size_weight_is_materialised(ft, Sample):
     config = ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", gradient_checkpointing=False)
     saved = []
     with ft.flux_lora_session(model, config) as session:
-        _randomise_lora(session, seed=14)
+        randomise_lora(session, seed=14)
         base = {
             layer.get_base_layer().weight.data_ptr(): tuple(layer.get_base_layer().weight.shape)
             for _, layer in session.lora.layers()

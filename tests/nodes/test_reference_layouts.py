@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from kt_testing.capture import captured_image_ids
-from trainer_core.position_ids import COMFY_NATIVE_LAYOUTS, image_position_ids
+from trainer_core.position_ids import COMFY_NATIVE_LAYOUTS, TokenGrid, image_position_ids
 from trainer_core.token_batch import build_token_batch
 
 # Latent (H, W) sizes; references of different sizes and aspect ratios.
@@ -57,7 +57,8 @@ def test_native_layouts_equal_comfyuis_ids_and_output(flux, pack, layout, count)
     with captured_image_ids(flux) as calls:
         expected_out = comfy_forward(flux, inputs, layout)
     (comfy_ids,) = calls
-    ours = image_position_ids(target, refs, layout, flux.params.patch_size, flux.params.ref_index_scale)
+    grid = TokenGrid(flux.params.patch_size, 3, flux.params.ref_index_scale)
+    ours = image_position_ids(target, refs, layout, grid)
     assert torch.equal(comfy_ids[0], ours)
 
     batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout)

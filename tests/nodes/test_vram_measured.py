@@ -84,3 +84,19 @@ def test_the_working_set_per_token_is_the_estimators_within_2x(measured):
     embedders', final layer's and loss's activations, which the 4 tiny blocks do not dilute."""
     ratio = measured[False][LARGE] / (2 * estimated(LARGE, False))
     assert 0.5 <= ratio <= 2.0, ratio
+
+
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_the_estimators_weight_count_is_the_models(comfy_runtime, family):
+    """The shape's weights (blocks, embedders, modulation, final layer) add up to the number of
+    parameters of ComfyUI's own model of that family: FLUX.2's gated MLPs, missing biases and
+    model-wide modulation included."""
+    from kt_testing.tiny_models import TINY_FAMILIES
+
+    flux = TINY_FAMILIES[family].patcher(seed=0).model.diffusion_model
+    shape = FluxShape.of(flux.params)
+    counted = shape.double_blocks * shape.double_block_weights()
+    counted += shape.single_blocks * shape.single_block_weights() + shape.other_weights()
+    # QK-norm scales are parameters too (2 per attention, head-dim long); no Linear of the shape
+    norms = sum(p.numel() for name, p in flux.named_parameters() if name.endswith(".scale"))
+    assert counted + norms == sum(p.numel() for p in flux.parameters())

@@ -75,3 +75,38 @@ def test_block_numbers_beyond_nine():
 def test_unknown_preset_is_named():
     with pytest.raises(ValueError, match=r"'mlp_only'.*attention, attention_mlp, all_linear"):
         target_module_names(FLUX_LINEARS, "mlp_only")
+
+
+# FLUX.2 with one double and one single block, listed by hand from comfy/ldm/flux/model.py with
+# global_modulation and no vector_in: no per-block modulation, three model-wide layers.
+FLUX2_LINEARS = [
+    "img_in",
+    "time_in.in_layer",
+    "time_in.out_layer",
+    "guidance_in.in_layer",
+    "guidance_in.out_layer",
+    "txt_in",
+    "double_blocks.0.img_attn.qkv",
+    "double_blocks.0.img_attn.proj",
+    "double_blocks.0.img_mlp.0",
+    "double_blocks.0.img_mlp.2",
+    "double_blocks.0.txt_attn.qkv",
+    "double_blocks.0.txt_attn.proj",
+    "double_blocks.0.txt_mlp.0",
+    "double_blocks.0.txt_mlp.2",
+    "single_blocks.0.linear1",
+    "single_blocks.0.linear2",
+    "final_layer.linear",
+    "final_layer.adaLN_modulation.1",
+    "double_stream_modulation_img.lin",
+    "double_stream_modulation_txt.lin",
+    "single_stream_modulation.lin",
+]
+
+
+def test_flux2_presets_pick_its_block_layers_and_all_linear_its_global_modulation():
+    blocks = FLUX2_LINEARS[6:16]
+    attention = [n for n in blocks if "attn" in n or "linear" in n]
+    assert target_module_names(FLUX2_LINEARS, "attention") == attention
+    assert target_module_names(FLUX2_LINEARS, "attention_mlp") == blocks
+    assert target_module_names(FLUX2_LINEARS, "all_linear") == blocks + FLUX2_LINEARS[-3:]

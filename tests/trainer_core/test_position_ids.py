@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_core.position_ids import image_position_ids
+from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
 
 
 def hand_ids(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
@@ -71,7 +71,7 @@ def test_uxo_by_hand_places_references_diagonally_after_the_target():
 
 
 def test_index_layout_counts_up_with_the_scale():
-    ids = image_position_ids((2, 2), [(2, 2), (2, 2)], "index", ref_index_scale=10.0)
+    ids = image_position_ids((2, 2), [(2, 2), (2, 2)], "index", TokenGrid(ref_index_scale=10.0))
     expected = torch.cat([hand_ids(1, 1, 0.0), hand_ids(1, 1, 10.0), hand_ids(1, 1, 20.0)])
     assert torch.equal(ids, expected)
 
@@ -91,3 +91,34 @@ def test_unknown_layout_is_refused_with_the_choices():
         ValueError, match=r"unknown reference layout 'diagonal'.*offset, index, uxo, dreamomni2"
     ):
         image_position_ids((8, 8), [(8, 8)], "diagonal")
+
+
+FLUX2 = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)
+
+
+def hand_ids4(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
+    """FLUX.2's [index, row, col, 0] quadruples, built with plain loops (1x1 patches)."""
+    return torch.tensor(
+        [[index, r + row_off, c + col_off, 0.0] for r in range(rows) for c in range(cols)],
+        dtype=torch.float32,
+    )
+
+
+def test_flux2_index_layout_by_hand():
+    # 1x1 patches: a latent of 3x4 is 3x4 tokens; references count up in steps of 10.
+    ids = image_position_ids((3, 4), [(2, 2), (1, 3)], "index", FLUX2)
+    expected = torch.cat([hand_ids4(3, 4, 0.0), hand_ids4(2, 2, 10.0), hand_ids4(1, 3, 20.0)])
+    assert torch.equal(ids, expected)
+
+
+def test_flux2_offset_layout_by_hand_counts_offsets_in_latent_pixels():
+    # Two 2x2 references: the first at the origin, the second below (2 + 2 > 2 + 2 is false).
+    ids = image_position_ids((2, 2), [(2, 2), (2, 2)], "offset", FLUX2)
+    expected = torch.cat([hand_ids4(2, 2, 0.0), hand_ids4(2, 2, 1.0), hand_ids4(2, 2, 1.0, row_off=2)])
+    assert torch.equal(ids, expected)
+
+
+def test_text_ids_count_on_the_fourth_axis_only_for_flux2():
+    assert torch.equal(text_position_ids(2, 3, 3), torch.zeros(2, 3, 3))
+    expected = torch.tensor([[0.0, 0.0, 0.0, t] for t in range(3)])
+    assert torch.equal(text_position_ids(2, 3, 4), expected.expand(2, 3, 4))

@@ -1,0 +1,72 @@
+"""Which Flux a ComfyUI MODEL holds, read from ComfyUI's own detection: no widget to get wrong.
+
+`flux_family(model)` is the `trainer_core.model_family.FluxFamily` (or a clear refusal);
+`token_grid(diffusion_model)` the model's patch size, RoPE axes and index step;
+`text_in(base_model)` turns a cached caption embedding into what sampling hands the model
+(ComfyUI's own `extra_conds`: FLUX.2 pads the text to 512 tokens at the front), so training
+sees exactly the text inference sees.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..trainer_core.model_family import FluxFamily, check_family_layout, family_named
+from ..trainer_core.position_ids import TokenGrid
+
+
+def image_model_of(model) -> str | None:
+    """ComfyUI's `image_model` for a MODEL (ModelPatcher), None for a model without one."""
+    config = getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
+    return config.get("image_model")
+
+
+def flux_family(model, what: str = "this MODEL") -> FluxFamily:
+    return family_named(image_model_of(model), what)
+
+
+def token_grid(diffusion_model) -> TokenGrid:
+    params = diffusion_model.params
+    return TokenGrid(params.patch_size, len(params.axes_dim), float(params.ref_index_scale))
+
+
+def text_in(base_model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """(T, D) caption embedding -> the (T', D) context the model gets when sampling."""
+
+    def apply(context: torch.Tensor) -> torch.Tensor:
+        conds = base_model.extra_conds(cross_attn=context[None], pooled_output=None)
+        return conds["c_crossattn"].cond[0]
+
+    return apply
+
+
+def check_model_fits(model, dataset, layout: str) -> FluxFamily:
+    """The MODEL's family, after checking that the dataset was encoded for it (LoadKontextDataset
+    takes the VAE and CLIP separately, so a FLUX.1 dataset can meet a FLUX.2 MODEL) and that
+    the layout fits it. Reads one cached sample."""
+    family = flux_family(model)
+    check_family_layout(family, layout)
+    if not dataset.entries:
+        return family
+    sample = dataset.sample(dataset.entries[0])
+    params = model.model.diffusion_model.params
+    channels, width = sample.target.shape[0], sample.context.shape[-1]
+    if channels != params.in_channels:
+        raise ValueError(
+            f"the dataset's latents have {channels} channels but this {family.title} MODEL takes "
+            f"{params.in_channels}: give LoadKontextDataset the {family.title} VAE"
+        )
+    if width != params.context_in_dim:
+        raise ValueError(
+            f"the dataset's caption embeddings are {width} wide but this {family.title} MODEL "
+            f"takes {params.context_in_dim}: give LoadKontextDataset the {family.text_encoder}"
+        )
+    if params.vec_in_dim and sample.pooled.numel() < params.vec_in_dim:  # Flux reads the first ones
+        raise ValueError(
+            f"this {family.title} MODEL needs a pooled text embedding of {params.vec_in_dim} "
+            f"values and the dataset's text encoder gave {sample.pooled.numel()}: give "
+            f"LoadKontextDataset the {family.text_encoder}"
+        )
+    return family

@@ -1,0 +1,140 @@
+"""FLUX.2 through the nodes, run by ComfyUI's executor (inference mode, prompt thread): a
+dataset encoded with a FLUX.2-style VAE (128 latent channels at 1/16) and a text encoder
+without pooled output, TrainLoRA with previews, its LoRA file and metadata, an exact resume;
+a dataset of the other family refused by name; the cache never shared between families."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.executor import InGraph, run_node
+from kt_testing.graphs import dataset_inputs, preview_inputs
+from kt_testing.probes import model_output
+from kt_testing.tiny_models import small_flux2_vae, small_flux_vae, tiny_clip, tiny_flux2_patcher
+
+TRAIN = "KontextTrainer_TrainLoRA"
+DATASET = "KontextTrainer_LoadKontextDataset"
+
+
+@pytest.fixture(scope="module")
+def mods(pack_import):
+    names = {
+        "node": "nodes.train_lora",
+        "config": "trainer_core.config",
+        "lora_file": "trainer_core.lora_file",
+    }
+    return type("Mods", (), {key: pack_import(name) for key, name in names.items()})
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory, comfy_runtime):
+    return write_one_folder(
+        tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=2, size=(64, 64)
+    )
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("cache"))
+
+
+def load_dataset(folder, cache, vae, clip):
+    return run_node(DATASET, dataset_inputs(InGraph(vae), InGraph(clip), folder, cache)).outputs
+
+
+@pytest.fixture(scope="module")
+def dataset(folder, cache):
+    return load_dataset(
+        folder, cache, lambda: small_flux2_vae(seed=1), lambda: tiny_clip(seed=2, pooled=False)
+    )[0]
+
+
+def settings(mods, **overrides):
+    defaults = {f.name: f.default for f in dataclasses.fields(mods.config.TrainConfig)}
+    defaults.update(steps=4, rank=2, alpha=2.0, learning_rate=1e-3, gradient_checkpointing=False)
+    defaults.update({"layout": "index", **overrides})
+    return defaults
+
+
+def run_train(mods, dataset, name, resume="none", preview=None, **overrides):
+    inputs = {
+        "model": InGraph(lambda: tiny_flux2_patcher(seed=3)),
+        "dataset": dataset,
+        "lora_name": name,
+        "overwrite": False,
+        "resume_from": resume,
+        "preview": preview,
+        **settings(mods, **overrides),
+    }
+    return run_node(TRAIN, inputs, node_id="7")
+
+
+def loras_dir() -> Path:
+    import folder_paths
+
+    return Path(folder_paths.get_folder_paths("loras")[0])
+
+
+def test_the_dataset_holds_flux2_latents_and_text_without_pooled_output(dataset):
+    sample = dataset.sample(dataset.entries[0])
+    # 256 px targets and 64 px references (dataset_inputs), at 1/16 with 128 channels
+    assert sample.target.shape == (128, 16, 16)
+    assert [tuple(r.shape) for r in sample.references] == [(128, 4, 4), (128, 4, 4)]
+    assert sample.context.shape == (77, 48) and sample.pooled.numel() == 0
+
+
+def test_trains_flux2_with_previews_writes_its_lora_and_resumes_exactly(mods, dataset):
+    clip = tiny_clip(seed=2, pooled=False)
+    positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))
+    vae = InGraph(lambda: small_flux2_vae(seed=1))
+    preview = run_node("KontextTrainer_PreviewSampler", preview_inputs(positive, vae, 2)).outputs[0]
+    common = {"steps": 4, "save_every": 2, "dropout": 0.1, "seed": 5, "caption_dropout": 0.5}
+    result = run_train(mods, dataset, "kt_flux2_run", preview=preview, **common)
+    model, name, loss_map, images = result.outputs[:4]
+    assert len(loss_map["loss"]) == 4 and all(loss == loss for loss in loss_map["loss"])
+    assert images.shape == (2, 64, 64, 3) and torch.isfinite(images).all() and float(images.std()) > 0
+
+    state, metadata = mods.lora_file.load(loras_dir() / name)
+    assert state and all(key.startswith("lora_unet_") for key in state)
+    assert metadata["ss_base_model_version"] == "flux2"
+    assert metadata["modelspec.architecture"] == "Flux.2-dev/lora"
+    assert metadata["kontext_trainer.base_model"] == "flux2_dev"
+    # The output MODEL is the input with the saved file applied by the stock loader.
+    stock = run_node(
+        "LoraLoaderModelOnly",
+        {"model": InGraph(lambda: tiny_flux2_patcher(seed=3)), "lora_name": name, "strength_model": 1.0},
+    ).outputs[0]
+    outputs = [model_output(m, text=(77, 48), pooled=0, channels=128) for m in (model, stock)]
+    assert torch.equal(outputs[0], outputs[1])
+
+    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_flux2_run/")]
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000002", "step_000004"]
+    resumed = run_train(mods, dataset, "kt_flux2_resumed", resume=choices[0], **common).outputs[2]
+    assert resumed["loss"] == loss_map["loss"]
+
+
+def test_a_dataset_of_the_other_family_is_refused_by_name(mods, folder, cache):
+    flux1_latents = load_dataset(folder, cache, lambda: small_flux_vae(seed=1), lambda: tiny_clip(seed=2))[0]
+    with pytest.raises(ValueError, match=r"latents have 16 channels but this FLUX\.2 MODEL takes 128: give"):
+        run_train(mods, flux1_latents, "kt_flux2_wrong")
+    with pytest.raises(ValueError, match=r"layout 'dreamomni2' does not fit a FLUX\.2 model"):
+        run_train(mods, flux1_latents, "kt_flux2_wrong", layout="dreamomni2")
+
+
+def test_a_cache_filled_for_one_family_is_never_read_for_the_other(folder, tmp_path):
+    """The same folder and text encoder, one cache: the FLUX.2 pass encodes every image again
+    (its keys differ: another VAE and latent format), the FLUX.1 pass again hits only its own."""
+    cache = str(tmp_path / "shared_cache")
+    text = lambda: tiny_clip(seed=2)  # noqa: E731  (the same text encoder for both)
+    first = load_dataset(folder, cache, lambda: small_flux_vae(seed=1), text)[0]
+    second = load_dataset(folder, cache, lambda: small_flux2_vae(seed=1), text)[0]
+    again = load_dataset(folder, cache, lambda: small_flux_vae(seed=1), text)[0]
+    images = len(first.entries) * 3  # a target and two references each
+    assert (first.encoded_images, second.encoded_images, again.encoded_images) == (images, images, 0)
+    assert second.sample(second.entries[0]).target.shape[0] == 128
+    assert first.content_hash != second.content_hash

@@ -1,0 +1,73 @@
+"""The Flux families the pack trains, and what differs between them outside the model code.
+
+ComfyUI detects the family from a checkpoint's keys and records it as
+`unet_config["image_model"]`: `flux` for FLUX.1 (dev, Kontext, schnell) and `flux2` for
+FLUX.2 [dev]. Both run the same `comfy/ldm/flux/model.py` class; the differences the trainer
+sees come from the model's `FluxParams` (patch size, RoPE axes, the index layout's step:
+`position_ids.TokenGrid`) and from this table (which reference layouts fit, and the names a
+LoRA file's metadata gives the base model).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .position_ids import LAYOUTS
+
+
+@dataclass(frozen=True)
+class FluxFamily:
+    image_model: str  # ComfyUI's unet_config["image_model"]
+    title: str  # what users call it
+    layouts: tuple[str, ...]  # the reference layouts that make sense for it
+    base_model_version: str  # metadata: ss_base_model_version
+    architecture: str  # metadata: modelspec.architecture
+    text_encoder: str  # what LoadKontextDataset's CLIP should be, for messages
+
+    def base_model(self, references: int) -> str:
+        """Ours (`kontext_trainer.base_model`): which model the LoRA is for."""
+        if self.image_model == "flux2":
+            return "flux2_dev"
+        return "flux1_kontext" if references else "flux1_dev"
+
+
+FLUX1 = FluxFamily(
+    "flux",
+    "FLUX.1",
+    LAYOUTS,
+    # sd-scripts' names for every FLUX.1 model (Kontext has FLUX.1 dev's weights and shapes)
+    "flux1",
+    "flux-1-dev/lora",
+    "CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
+)
+FLUX2 = FluxFamily(
+    "flux2",
+    "FLUX.2",
+    # ComfyUI computes offset / index / uxo for FLUX.2 exactly as for FLUX.1 (index is its
+    # default, with steps of 10). DreamOmni2's ids were learnt by a FLUX.1 Kontext model.
+    ("index", "offset", "uxo"),
+    "flux2",
+    "Flux.2-dev/lora",  # musubi-tuner's model-spec name for FLUX.2 [dev] LoRAs
+    "Mistral-3 (CLIPLoader, type flux2)",
+)
+FAMILIES = {family.image_model: family for family in (FLUX1, FLUX2)}
+
+
+def family_named(image_model: str | None, what: str = "this MODEL") -> FluxFamily:
+    """The family ComfyUI detected, or a clear refusal for a model the pack does not train."""
+    family = FAMILIES.get(image_model or "")
+    if family is None:
+        raise ValueError(
+            f"{what} is a {image_model or 'non-Flux'!s} model; Kontext Trainer handles FLUX.1 "
+            "(dev, Kontext) and FLUX.2 [dev]. Load one of those with the stock loaders"
+        )
+    return family
+
+
+def check_family_layout(family: FluxFamily, layout: str) -> str:
+    if layout not in family.layouts:
+        raise ValueError(
+            f"layout {layout!r} does not fit a {family.title} model; choose one of "
+            f"{', '.join(family.layouts)} ({family.layouts[0]} is its default)"
+        )
+    return layout
