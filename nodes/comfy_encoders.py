@@ -3,7 +3,9 @@
 Identities (part of every cache key) fingerprint what determines the encoder's output
 (`trainer_core.fingerprint`): the weights (names, shapes, dtypes, a strided sample of
 values), the compute dtype, and for the text encoder any patches (e.g. a LoRA on CLIP) with
-their strengths.
+their strengths. They also name the model family's side of it outright: the VAE's latent
+space (channels and scale: FLUX.1 16 at 1/8, FLUX.2 128 at 1/16) and the text encoder's class
+(CLIP-L + T5 or FLUX.2's Mistral), so a cache filled for one family is never read for another.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ from ..trainer_core.fingerprint import structure_digest, weights_identity
 
 
 def vae_identity(vae) -> str:
-    return weights_identity(vae.first_stage_model.state_dict().items(), extra=("vae", str(vae.vae_dtype)))
+    latent_space = (vae.latent_channels, vae.spacial_compression_encode())
+    extra = ("vae", str(vae.vae_dtype), latent_space)
+    return weights_identity(vae.first_stage_model.state_dict().items(), extra=extra)
 
 
 def clip_identity(clip) -> str:
     patches = structure_digest(getattr(clip.patcher, "patches", {}))
-    return weights_identity(clip.cond_stage_model.state_dict().items(), extra=("clip", patches))
+    kind = type(clip.cond_stage_model).__name__
+    return weights_identity(clip.cond_stage_model.state_dict().items(), extra=("clip", kind, patches))
 
 
 def comfy_encoders(vae, clip) -> Encoders:

@@ -86,3 +86,20 @@ def dataset_inputs(vae, clip, folder: Path, cache_folder: str = "") -> dict:
         "seed": 0,
         "cache_folder": cache_folder,
     }
+
+
+def ksampler_inputs(model, conditioning, latent: dict) -> dict:
+    """A stock KSampler's inputs for the tiny models: 2 euler steps at cfg 1 (one model call per
+    step), seed 7, the same conditioning as positive and negative."""
+    return {
+        "model": model,
+        "seed": 7,
+        "steps": 2,
+        "cfg": 1.0,
+        "sampler_name": "euler",
+        "scheduler": "simple",
+        "positive": conditioning,
+        "negative": conditioning,
+        "latent_image": latent,
+        "denoise": 1.0,
+    }

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import tiny_flux_patcher
+from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
@@ -20,13 +20,19 @@ def mods(pack_import):
     )
 
 
-def samples(mods):
-    return tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)])
+def samples(mods, family="flux"):
+    tiny = TINY_FAMILIES[family]
+    return tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)], channels=tiny.channels, pooled=tiny.pooled)
 
 
-def loss_and_grads(mods, model, blocks_to_swap, record=None):
+def loss_and_grads(mods, model, blocks_to_swap, record=None, family="flux"):
     config = mods.ft.TrainConfig(
-        rank=2, alpha=2.0, targets="all_linear", blocks_to_swap=blocks_to_swap, seed=4
+        rank=2,
+        alpha=2.0,
+        targets="all_linear",
+        blocks_to_swap=blocks_to_swap,
+        seed=4,
+        layout=TINY_FAMILIES[family].layout,
     )
     with mods.ft.flux_lora_session(model, config, poison_swapped=True) as session:
         if record is not None and session.swapper is not None:
@@ -38,18 +44,20 @@ def loss_and_grads(mods, model, blocks_to_swap, record=None):
 
             session.swapper.on_transfer = on_transfer
             record.append(("peak", resident_peak))
-        loss = session.loss(samples(mods), torch.Generator().manual_seed(7))
+        loss = session.loss(samples(mods, family), torch.Generator().manual_seed(7))
         grads = torch.autograd.grad(loss, session.lora.parameters())
         if session.swapper is not None:
             session.swapper.on_transfer = None  # the restore on exit is not part of the step
     return loss.detach(), grads
 
 
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 @pytest.mark.parametrize("blocks_to_swap", [1, 2, 3, 4])
-def test_swapping_changes_nothing_but_where_weights_wait(mods, blocks_to_swap):
-    model = tiny_flux_patcher(seed=9)
-    reference_loss, reference_grads = loss_and_grads(mods, model, 0)
-    loss, grads = loss_and_grads(mods, model, blocks_to_swap)
+def test_swapping_changes_nothing_but_where_weights_wait(mods, blocks_to_swap, family):
+    """FLUX.2 too: its model-wide modulation layers stay put; only block weights move."""
+    model = TINY_FAMILIES[family].patcher(seed=9)
+    reference_loss, reference_grads = loss_and_grads(mods, model, 0, family=family)
+    loss, grads = loss_and_grads(mods, model, blocks_to_swap, family=family)
     assert torch.equal(loss, reference_loss)
     for got, expected in zip(grads, reference_grads, strict=True):
         assert torch.equal(got, expected)

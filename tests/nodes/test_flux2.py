@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from kt_testing.executor import run_node
+from kt_testing.graphs import ksampler_inputs
 from kt_testing.probes import tiny_samples
 from kt_testing.tiny_models import small_flux2_vae, tiny_flux2_patcher, tiny_flux_patcher
 from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
@@ -176,18 +177,7 @@ def image(height, width, seed=0):
 def ksampler(model, conditioning, latent_hw=(4, 4)):
     """A stock KSampler, 2 euler steps at cfg 1, through ComfyUI's executor: (latent, ids)."""
     latent = {"samples": torch.zeros(1, 128, *latent_hw)}
-    inputs = {
-        "model": model,
-        "seed": 7,
-        "steps": 2,
-        "cfg": 1.0,
-        "sampler_name": "euler",
-        "scheduler": "simple",
-        "positive": conditioning,
-        "negative": conditioning,
-        "latent_image": latent,
-        "denoise": 1.0,
-    }
+    inputs = ksampler_inputs(model, conditioning, latent)
     with captured_ids(model.model.diffusion_model) as calls:
         (out,) = run_node("KSampler", inputs).outputs
     assert torch.isfinite(out["samples"]).all()

@@ -138,3 +138,15 @@ def test_a_cache_filled_for_one_family_is_never_read_for_the_other(folder, tmp_p
     assert (first.encoded_images, second.encoded_images, again.encoded_images) == (images, images, 0)
     assert second.sample(second.entries[0]).target.shape[0] == 128
     assert first.content_hash != second.content_hash
+
+
+def test_encoder_identities_name_the_latent_space_and_the_text_encoder(pack_import):
+    """Same weights, another family's side: the VAE's latent space and the text encoder's
+    class are part of the identity (and so of every cache key)."""
+    identity = pack_import("nodes.comfy_encoders")
+    vae, relabelled = small_flux_vae(seed=1), small_flux_vae(seed=1)
+    assert identity.vae_identity(vae) == identity.vae_identity(relabelled)
+    relabelled.latent_channels, relabelled.downscale_ratio = 128, 16
+    assert identity.vae_identity(vae) != identity.vae_identity(relabelled)
+    with_pooled, without = tiny_clip(seed=2), tiny_clip(seed=2, pooled=False)
+    assert identity.clip_identity(with_pooled) != identity.clip_identity(without)

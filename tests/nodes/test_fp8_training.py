@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kt_testing.probes import model_output, tiny_samples
-from kt_testing.tiny_models import tiny_flux_patcher
+from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
@@ -24,8 +24,8 @@ def mods(pack_import):
     return type("Mods", (), {key: pack_import(name) for key, name in names.items()})
 
 
-def fp8_model(dtype, seed=1):
-    return tiny_flux_patcher(seed=seed, dtype=dtype, manual_cast_dtype=torch.float32)
+def fp8_model(dtype, seed=1, family="flux"):
+    return TINY_FAMILIES[family].patcher(seed=seed, dtype=dtype, manual_cast_dtype=torch.float32)
 
 
 apply = model_output
@@ -111,10 +111,10 @@ def rounded_by_hand(weight, row_scaled):
     return rounded, bound
 
 
-def full_precision_variant(fp8_mode, how, seed=1):
+def full_precision_variant(fp8_mode, how, seed=1, family="flux"):
     """The fp32 tiny Flux with its stored weights as they are (`full`), rounded by hand
     (`rounded`), or each moved by exactly its rounding bound with a random sign (`envelope`)."""
-    model = tiny_flux_patcher(seed=seed)
+    model = TINY_FAMILIES[family].patcher(seed=seed)
     signs = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for param, row_scaled in stored_weights(model, fp8_mode):
@@ -126,16 +126,21 @@ def full_precision_variant(fp8_mode, how, seed=1):
     return model
 
 
-def fp8_variant(fp8_mode):
+def fp8_variant(fp8_mode, family="flux"):
     if fp8_mode == "as_loaded":  # the stock UNETLoader's weight_dtype fp8_e4m3fn
-        return fp8_model(torch.float8_e4m3fn)
-    return tiny_flux_patcher(seed=1)  # fp8_scaled quantises inside the session
+        return fp8_model(torch.float8_e4m3fn, family=family)
+    return TINY_FAMILIES[family].patcher(seed=1)  # fp8_scaled quantises inside the session
 
 
-def one_step_gradients(mods, model, fp8_mode):
+def one_step_gradients(mods, model, fp8_mode, family="flux"):
     """Gradients of every LoRA factor at a fixed, non-zero LoRA and a fixed batch / noise."""
-    samples = tiny_samples(mods.flow_step.Sample, 2, 2, [(8, 8)])
-    config = mods.ft.TrainConfig(rank=4, alpha=4.0, fp8_mode=fp8_mode, targets="all_linear")
+    tiny = TINY_FAMILIES[family]
+    samples = tiny_samples(
+        mods.flow_step.Sample, 2, 2, [(8, 8)], channels=tiny.channels, pooled=tiny.pooled
+    )
+    config = mods.ft.TrainConfig(
+        rank=4, alpha=4.0, fp8_mode=fp8_mode, targets="all_linear", layout=tiny.layout
+    )
     with mods.ft.flux_lora_session(model, config) as session:
         params = session.lora.parameters()
         generator = torch.Generator().manual_seed(3)
@@ -172,13 +177,14 @@ def check_against_full_precision(fp8, rounded, full, envelope, exact_rtol):
     assert 0.2 <= ratio <= 1.0, f"fp8's distance from full precision is {ratio:.2f} of the bound's"
 
 
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
 @pytest.mark.parametrize("fp8_mode", ["as_loaded", "fp8_scaled"])
-def test_fp8_gradients_are_full_precision_within_the_rounding_bound(mods, fp8_mode):
+def test_fp8_gradients_are_full_precision_within_the_rounding_bound(mods, fp8_mode, family):
     full, rounded, envelope = (
-        one_step_gradients(mods, full_precision_variant(fp8_mode, how), "as_loaded")
+        one_step_gradients(mods, full_precision_variant(fp8_mode, how, family=family), "as_loaded", family)
         for how in ("full", "rounded", "envelope")
     )
-    fp8 = one_step_gradients(mods, fp8_variant(fp8_mode), fp8_mode)
+    fp8 = one_step_gradients(mods, fp8_variant(fp8_mode, family), fp8_mode, family)
     assert float(full.abs().max()) > 0
     check_against_full_precision(fp8, rounded, full, envelope, exact_rtol=1e-5)
 

@@ -7,6 +7,7 @@ import torch
 
 from kt_testing.capture import captured_image_ids
 from kt_testing.executor import run_node
+from kt_testing.graphs import ksampler_inputs
 
 
 def hand_ids(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
@@ -39,18 +40,7 @@ def image(height, width, seed=0, batch=1):
 def sample_with_ksampler(setup, model, conditioning, latent_hw=(8, 8)):
     """A stock KSampler, 2 euler steps at cfg 1; returns the ids of every model call."""
     latent = {"samples": torch.zeros(1, 16, *latent_hw)}
-    sampler = {
-        "model": model,
-        "seed": 7,
-        "steps": 2,
-        "cfg": 1.0,
-        "sampler_name": "euler",
-        "scheduler": "simple",
-        "positive": conditioning,
-        "negative": conditioning,
-        "latent_image": latent,
-        "denoise": 1.0,
-    }
+    sampler = ksampler_inputs(model, conditioning, latent)
     with captured_image_ids(model.model.diffusion_model) as calls:
         (out,) = run_node("KSampler", sampler).outputs
     assert out["samples"].shape == latent["samples"].shape and torch.isfinite(out["samples"]).all()
