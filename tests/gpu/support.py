@@ -56,25 +56,27 @@ class GpuRun:
 
 
 # -- models and probes ------------------------------------------------------------------------
-def cpu_patcher(seed: int, dtype=None, manual_cast_dtype=None, **overrides):
-    """A tiny Flux MODEL that ComfyUI loads onto the CPU whatever device it runs on: the
-    reference computation (fp32 on the CPU, as the CPU layers test it)."""
+def cpu_patcher(seed: int, dtype=None, manual_cast_dtype=None, family: str = "flux", **overrides):
+    """A tiny Flux (or FLUX.2) MODEL that ComfyUI loads onto the CPU whatever device it runs
+    on: the reference computation (fp32 on the CPU, as the CPU layers test it)."""
     import comfy.model_patcher
     import torch
 
-    from kt_testing.tiny_models import TINY_FLUX_CONFIG, build_flux_model
+    from kt_testing.tiny_models import TINY_FLUX2_CONFIG, TINY_FLUX_CONFIG, build_flux_model
 
-    model = build_flux_model(
-        {**TINY_FLUX_CONFIG, **overrides}, seed, dtype or torch.float32, manual_cast_dtype
-    )
+    config = {"flux": TINY_FLUX_CONFIG, "flux2": TINY_FLUX2_CONFIG}[family]
+    model = build_flux_model({**config, **overrides}, seed, dtype or torch.float32, manual_cast_dtype)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
 
 
-def model_output(patcher, seed=0, sigma=0.5, text=(5, 48), pooled=32, transformer_options=None, load=True):
+def model_output(
+    patcher, seed=0, sigma=0.5, text=(5, 48), pooled=32, transformer_options=None, load=True, channels=16
+):
     """`kt_testing.probes.model_output` with the inputs on the patcher's load device: load the
     MODEL the normal way (`load=False` inside a training session, which holds its clone
-    loaded), then ComfyUI's `apply_model` on a fixed input (same draws)."""
+    loaded), then ComfyUI's `apply_model` on a fixed input (same draws). FLUX.2: channels=128,
+    pooled=0."""
     import comfy.model_management
     import torch
 
@@ -82,12 +84,13 @@ def model_output(patcher, seed=0, sigma=0.5, text=(5, 48), pooled=32, transforme
         comfy.model_management.load_models_gpu([patcher])
     device = patcher.load_device
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, 16, 8, 8, generator=gen)
+    x = torch.randn(1, channels, 8, 8, generator=gen)
     cond = {
         "c_crossattn": torch.randn(1, *text, generator=gen).to(device),
-        "y": torch.randn(1, pooled, generator=gen).to(device),
         "guidance": torch.tensor([1.0], device=device),
     }
+    if pooled:
+        cond["y"] = torch.randn(1, pooled, generator=gen).to(device)
     if transformer_options is None:
         transformer_options = patcher.model_options["transformer_options"]
     with torch.no_grad():

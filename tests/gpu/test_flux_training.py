@@ -35,28 +35,34 @@ def bf16_config(mods, **overrides):
     return mods.ft.TrainConfig(**{**settings, **overrides})
 
 
-def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods):
+@pytest.mark.parametrize("family", ["flux", "flux2"])
+def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     """The same LoRA values, samples and draws: loss, gradients and the first optimizer step's
     loss of a bf16 model on the GPU against the fp32 model on the CPU; then the step leaves a
-    finite, changed LoRA on the GPU and the MODEL exactly as loaded."""
+    finite, changed LoRA on the GPU and the MODEL exactly as loaded. FLUX.2 too (its index
+    layout, 128-channel latents, no pooled text)."""
     import torch
 
     from kt_testing.probes import tiny_samples
-    from kt_testing.tiny_models import tiny_flux_patcher
+    from kt_testing.tiny_models import TINY_FAMILIES
 
-    samples = tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)])
-    config = bf16_config(mods)
+    tiny = TINY_FAMILIES[family]
+    samples = tiny_samples(
+        mods.flow_step.Sample, 2, 3, [(8, 6)], channels=tiny.channels, pooled=tiny.pooled
+    )
+    config = bf16_config(mods, layout=tiny.layout)
+    probe = {"channels": tiny.channels, "pooled": tiny.pooled}
 
     def train_one_step(session):
         return mods.loop.train(config, session.lora.parameters(), lambda i: samples, session.loss).losses[0]
 
-    with mods.ft.flux_lora_session(cpu_patcher(seed=5), config) as session:
+    with mods.ft.flux_lora_session(cpu_patcher(seed=5, family=family), config) as session:
         randomise_lora(session, seed=2)
         reference_loss, reference_grads = loss_and_grads(session, samples)
         reference_step = train_one_step(session)
 
-    model = tiny_flux_patcher(seed=5, dtype=torch.bfloat16)
-    before = model_output(model)
+    model = tiny.patcher(seed=5, dtype=torch.bfloat16)
+    before = model_output(model, **probe)
     with mods.ft.flux_lora_session(model, config) as session:
         params = session.lora.parameters()
         assert {(p.device, p.dtype) for p in params} == {(gpu.device, torch.float32)}
@@ -78,7 +84,7 @@ def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods):
     assert loss_error <= BF16_LOSS and step_error <= BF16_LOSS
     assert gradient_error <= BF16_GRADIENTS
     assert {p.dtype for p in model.model.diffusion_model.parameters()} == {torch.bfloat16}
-    assert torch.equal(model_output(model), before)
+    assert torch.equal(model_output(model, **probe), before)
 
 
 def lora_on_every_block_linear(mods, model, seed: int = 21, rank: int = 2):
