@@ -80,11 +80,14 @@ class TrainConfig:
         options=TARGET_PRESET_NAMES,
     )
     layout: str = knob(
-        "offset", "Reference position-id layout; sample with the same one.", options=LAYOUT_NAMES
+        "offset",
+        "Reference position-id layout; sample with the same one. FLUX.2: index (its own), offset "
+        "or uxo.",
+        options=LAYOUT_NAMES,
     )
     timestep_sampler: str = knob(
         "flux_shift",
-        "How noise levels are drawn; flux_shift follows Flux's resolution-dependent schedule.",
+        "How noise levels are drawn; flux_shift follows FLUX.1's resolution-dependent schedule.",
         options=SAMPLERS,
         advanced=True,
     )

@@ -173,6 +173,8 @@ def test_opening_the_template_shows_no_problem(comfy_page, server, path):
     )
     comfy_page.get_by_role("button", name=PACK_DIR_NAME, exact=True).click()
     card = comfy_page.locator(f'[data-testid="template-workflow-{path.stem}"]')
+    # Thumbnails load as their card scrolls into view (more cards than fit on one screen).
+    card.scroll_into_view_if_needed()
     card.locator("img").first.wait_for(state="visible")  # the thumbnail is there
     card.click()
     wait_for_graph(comfy_page, json.loads(path.read_text()))
@@ -216,16 +218,21 @@ def prepare_names(server, paths):
         "text_encoders/clip_l.safetensors": paths["clip"],
         "text_encoders/t5xxl_fp8_e4m3fn_scaled.safetensors": paths["clip"],
         "vae/ae.safetensors": paths["vae"],
+        # FLUX.2 [dev]: CLIPLoader's type `flux2` is only checked as a combo value here
+        "diffusion_models/flux2_dev_fp8mixed.safetensors": paths["flux"],
+        "text_encoders/mistral_3_small_flux2_bf16.safetensors": paths["clip"],
+        "vae/flux2-vae.safetensors": paths["vae"],
     }
     for name, target in stand_ins.items():
         link = models / name
         if not link.exists():
             link.symlink_to(target.resolve())
-    lora = models / "loras" / "kontext_demo_lora.safetensors"
-    if not lora.exists():  # a real one may be there (test_the_inference_example_runs_as_shipped)
-        lora.parent.mkdir(exist_ok=True)
-        save_file({}, str(lora))
-    for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo"):
+    for name in ("kontext_demo_lora.safetensors", "flux2_lora.safetensors"):
+        lora = models / "loras" / name
+        if not lora.exists():  # a trained one may be there (test_the_inference_example_runs_as_shipped)
+            lora.parent.mkdir(exist_ok=True)
+            save_file({}, str(lora))
+    for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo", "flux2_demo"):
         (server.base_dir / "input" / folder).mkdir(exist_ok=True)
     user_files(server)
 

@@ -1,6 +1,8 @@
 """A test-only custom-node pack, installed only into the e2e tests' ComfyUI (never shipped):
 nodes that build the tiny Flux, the small Flux VAE and the tiny CLIP with ComfyUI's own
-classes, so the product's nodes run unchanged, fast, in a real server. Plus two probes."""
+classes, and their FLUX.2 counterparts (tiny FLUX.2, a VAE with FLUX.2's latents, a CLIP
+without pooled output), so the product's nodes run unchanged, fast, in a real server. Plus
+probes."""
 
 from __future__ import annotations
 
@@ -17,7 +19,13 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
         sys.path.insert(0, str(_path))
 
 from kt_testing.probes import model_output  # noqa: E402
-from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher  # noqa: E402
+from kt_testing.tiny_models import (  # noqa: E402
+    small_flux2_vae,
+    small_flux_vae,
+    tiny_clip,
+    tiny_flux2_patcher,
+    tiny_flux_patcher,
+)
 
 
 class TinyFluxModel:
@@ -57,6 +65,52 @@ class TinyCLIP:
 
     def build(self, seed):
         return (tiny_clip(seed=seed),)
+
+
+class TinyFlux2Model:
+    """Stands in for UNETLoader with a FLUX.2 [dev] file (ComfyUI's image_model flux2)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 3, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (tiny_flux2_patcher(seed=seed),)
+
+
+class SmallFlux2VAE:
+    """Stands in for VAELoader with FLUX.2's VAE: 128 latent channels at 1/16."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("VAE",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 1, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (small_flux2_vae(seed=seed),)
+
+
+class TinyFlux2TextEncoder:
+    """Stands in for CLIPLoader type flux2 (Mistral-3): a tiny CLIP with no pooled output,
+    its 48-wide context matching the tiny FLUX.2's context_in_dim."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("CLIP",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"seed": ("INT", {"default": 2, "min": 0, "max": 1000})}}
+
+    def build(self, seed):
+        return (tiny_clip(seed=seed, pooled=False),)
 
 
 class PoisonDataset:
@@ -128,6 +182,9 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFluxModel": TinyFluxModel,
     "KTTest_SmallFluxVAE": SmallFluxVAE,
     "KTTest_TinyCLIP": TinyCLIP,
+    "KTTest_TinyFlux2Model": TinyFlux2Model,
+    "KTTest_SmallFlux2VAE": SmallFlux2VAE,
+    "KTTest_TinyFlux2TextEncoder": TinyFlux2TextEncoder,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_ModelDifference": ModelDifference,

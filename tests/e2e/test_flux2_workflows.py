@@ -1,0 +1,139 @@
+"""The shipped FLUX.2 examples, queued over HTTP on a real ComfyUI server: training
+(`api/flux2_lora_training.json`) writes a FLUX.2 LoRA with previews, and inference
+(`api/flux2_lora_inference.json`) applies it. Real FLUX.2 files cannot be loaded here, so the
+three stock loaders, and nothing else, are swapped for test-only nodes that build a tiny FLUX.2,
+a VAE with FLUX.2's latents and a text encoder without pooled output. With those, both
+examples run as shipped (settings, steps and sizes included) in seconds."""
+
+from __future__ import annotations
+
+import copy
+import io
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from kt_testing.datasets import color_image, write_one_folder
+from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.runs import progress_events
+from kt_testing.server import ComfyServer
+from trainer_core.lora_file import load
+
+EXAMPLES = REPO_ROOT / "example_workflows" / "api"
+# Each stock loader of the examples -> the test-only node (and seed) that builds its tiny part.
+TINY_STAND_INS = {
+    "UNETLoader": ("KTTest_TinyFlux2Model", 3),
+    "VAELoader": ("KTTest_SmallFlux2VAE", 1),
+    "CLIPLoader": ("KTTest_TinyFlux2TextEncoder", 2),
+}
+
+
+def shipped(name: str) -> dict:
+    return json.loads((EXAMPLES / name).read_text())
+
+
+def with_tiny_loaders(workflow: dict) -> dict:
+    """The workflow with exactly its three stock loaders replaced (same node ids, so every link
+    stays as shipped)."""
+    swapped = copy.deepcopy(workflow)
+    replaced = []
+    for node_id, node in workflow.items():
+        if node["class_type"] in TINY_STAND_INS:
+            class_type, seed = TINY_STAND_INS[node["class_type"]]
+            swapped[node_id] = {"class_type": class_type, "inputs": {"seed": seed}}
+            replaced.append(node["class_type"])
+    assert sorted(replaced) == sorted(TINY_STAND_INS), replaced  # one of each, no more
+    return swapped
+
+
+def only_id(workflow: dict, class_type: str) -> str:
+    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
+    return node_id
+
+
+def inputs_of(workflow: dict, class_type: str) -> dict:
+    return workflow[only_id(workflow, class_type)]["inputs"]
+
+
+def succeeded(messages: list[dict]) -> None:
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """A server of its own (not the session's): an empty models/loras, so the shipped
+    lora_name (with overwrite off) is free whatever other tests have left there."""
+    with ComfyServer(tmp_path_factory.mktemp("flux2-base"), extra_packs=TEST_NODE_PACKS) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def trained(server):
+    """The training example as shipped, loaders swapped, on a dataset of three 64 px samples
+    with two references each, in the folder it names; the reference images its previews load
+    are in input/ too. Returns (workflow, prompt id, websocket messages)."""
+    workflow = with_tiny_loaders(shipped("flux2_lora_training.json"))
+    inputs = server.base_dir / "input"
+    folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
+    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
+    for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
+        color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    return workflow, prompt_id, messages
+
+
+def test_the_training_example_writes_a_flux2_lora_with_previews(server, trained):
+    workflow, prompt_id, messages = trained
+    succeeded(messages)
+    train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
+    outputs = server.history(prompt_id)["outputs"]
+    assert outputs[only_id(workflow, "KontextTrainer_TrainLoRA")]["lora_name"] == ["flux2_lora.safetensors"]
+    assert len(outputs[only_id(workflow, "KontextTrainer_TrainLoRA")]["loss"]) == train["steps"]
+    assert "held-out samples" in outputs[only_id(workflow, "PreviewAny")]["text"][0]  # the report
+
+    tensors, metadata = load(server.base_dir / "models" / "loras" / "flux2_lora.safetensors")
+    assert tensors and all(key.startswith("lora_unet_") for key in tensors)  # kohya names
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors
+    assert any(float(t.abs().max()) > 0 for k, t in tensors.items() if k.endswith(".lora_up.weight"))
+    assert metadata["ss_base_model_version"] == "flux2"
+    assert metadata["modelspec.architecture"] == "Flux.2-dev/lora"
+    assert metadata["kontext_trainer.layout"] == "index"
+    assert metadata["ss_steps"] == str(train["steps"])
+
+    # Previews: one image (one prompt) every `every_n_steps` and at the end, of the preview's
+    # size, served by /view.
+    preview = inputs_of(workflow, "KontextTrainer_PreviewSampler")
+    refs = progress_events(messages)[-1]["previews"]
+    every = preview["every_n_steps"]
+    assert [ref["step"] for ref in refs] == [*range(every, train["steps"], every), train["steps"]]
+    for ref in refs:
+        png = server.get(f"/view?filename={ref['filename']}&subfolder={ref['subfolder']}&type=temp")
+        image = Image.open(io.BytesIO(png))
+        assert image.size == (preview["width"], preview["height"])
+        assert np.asarray(image).std() > 0  # a picture, not a blank
+
+
+def run_inference(server, strength: float) -> tuple[dict, np.ndarray]:
+    """The inference example, loaders swapped, its LoRA at `strength`: (workflow, saved image)."""
+    workflow = with_tiny_loaders(shipped("flux2_lora_inference.json"))
+    inputs_of(workflow, "LoraLoaderModelOnly")["strength_model"] = strength
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    succeeded(messages)
+    (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
+    path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
+    return workflow, np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
+def test_the_inference_example_applies_the_trained_lora(server, trained):
+    succeeded(trained[2])  # the LoRA it loads is the one the training example wrote
+    lora = inputs_of(shipped("flux2_lora_inference.json"), "LoraLoaderModelOnly")
+    assert lora["lora_name"] == "flux2_lora.safetensors"
+    workflow, with_lora = run_inference(server, lora["strength_model"])
+    latent = inputs_of(workflow, "EmptyFlux2LatentImage")
+    assert with_lora.shape == (latent["height"], latent["width"], 3)
+    # The same graph with the LoRA at strength 0 (the base model) samples another image.
+    _, without_lora = run_inference(server, 0.0)
+    assert without_lora.shape == with_lora.shape
+    assert np.abs(with_lora - without_lora).max() > 0
