@@ -123,7 +123,9 @@ def _load(variant: str, args):
         return transformer, transformer, variants
     from kt_testing.comfy_runtime import boot
 
-    runtime = boot(Path(args.base_dir))
+    # ComfyUI picks its attention at start-up: on the CPU sub-quadratic by default, PyTorch's
+    # SDPA on NVIDIA GPUs (and with --use-pytorch-cross-attention).
+    runtime = boot(Path(args.base_dir), {"use_pytorch_cross_attention": args.attention == "pytorch"})
     variants.PACK["name"] = runtime.pack_module.__name__
     paths = demo_assets.ensure_assets(asset_cache_dir())
     demo_assets.link_into_models(paths, runtime.base_dir / "models")
@@ -153,6 +155,7 @@ def worker(args) -> None:
     result = {
         "variant": args.worker,
         "size": args.size,
+        "attention": args.attention,
         "setup_s": clock.first_call - clock.started,
         "step_s": steps,
         "steady_s": statistics.median(steps[args.warmup :]),
@@ -175,7 +178,7 @@ def worker(args) -> None:
 def _run_worker(variant: str, size: int, base_dir: str, args) -> dict | None:
     command = [sys.executable, __file__, "--worker", variant, "--base-dir", base_dir]
     command += ["--size", str(size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
-    command += ["--rank", str(args.rank)]
+    command += ["--rank", str(args.rank), "--attention", args.attention]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or (variant != "prepare" and not lines):
@@ -195,7 +198,7 @@ def _median(runs: list[dict], key: str) -> float:
 def print_table(results: dict, args) -> None:
     print(
         f"\nmedians over {args.rounds} round(s); {args.steps} timed steps after {args.warmup} warm-up "
-        f"step(s) per run; rank {args.rank}; one reference image"
+        f"step(s) per run; rank {args.rank}; one reference image; ComfyUI attention: {args.attention}"
     )
     for size in args.resolutions:
         runs = {variant: results[size, variant] for variant in args.variants if results.get((size, variant))}
@@ -239,6 +242,7 @@ def print_saved(args) -> None:
     args.resolutions = sorted({run["size"] for run in runs})
     args.variants = [v for v in VARIANTS if any(run["variant"] == v for run in runs)]
     args.rounds = max(run["round"] for run in runs)
+    args.attention = runs[0].get("attention", "default")  # runs saved before the option: default
     results = {(size, variant): [] for size in args.resolutions for variant in args.variants}
     for run in runs:
         results[run["size"], run["variant"]].append(run)
@@ -256,6 +260,13 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of every variant")
     parser.add_argument("--variants", nargs="+", choices=VARIANTS, default=list(VARIANTS), help="a subset")
     parser.add_argument("--save", type=Path, help="append every run's result to this JSON-lines file")
+    parser.add_argument(
+        "--attention",
+        choices=("default", "pytorch"),
+        default="default",
+        help="ComfyUI's attention: its default for the device (sub-quadratic on the CPU) or PyTorch's "
+        "SDPA (--use-pytorch-cross-attention; what ComfyUI uses on NVIDIA GPUs). diffusers always uses SDPA",
+    )
     parser.add_argument(
         "--table-from", type=Path, nargs="+", help="print the table from saved result files; run nothing"
     )

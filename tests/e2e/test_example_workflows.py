@@ -207,6 +207,7 @@ def test_dropping_the_file_on_the_canvas_shows_no_problem(comfy_page, server, pa
 def prepare_names(server, paths):
     """Files under the names the workflows use (the demo assets, `paths`, stand in for the real
     models; validation checks names, not contents). The reference image is the demo's own."""
+    import torch
     from safetensors.torch import save_file
 
     import demo_assets
@@ -227,11 +228,17 @@ def prepare_names(server, paths):
         link = models / name
         if not link.exists():
             link.symlink_to(target.resolve())
+    # Stand-in LoRAs: one zero module each (other tests load every listed LoRA and expect tensors)
+    stand_in_lora = {
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight": torch.zeros(1, 4),
+        "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(12, 1),
+        "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0),
+    }
     for name in ("kontext_demo_lora.safetensors", "flux2_lora.safetensors"):
         lora = models / "loras" / name
         if not lora.exists():  # a trained one may be there (test_the_inference_example_runs_as_shipped)
             lora.parent.mkdir(exist_ok=True)
-            save_file({}, str(lora))
+            save_file(stand_in_lora, str(lora))
     for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo", "flux2_demo"):
         (server.base_dir / "input" / folder).mkdir(exist_ok=True)
     user_files(server)

@@ -51,7 +51,9 @@ def pack_node_classes(pack_module) -> list:
     return run_sync(extension.get_node_list())
 
 
-def boot(base_dir: Path) -> ComfyRuntime:
+def boot(base_dir: Path, options: dict | None = None) -> ComfyRuntime:
+    """`options`: more of ComfyUI's command-line options (`comfy.cli_args.args` attributes,
+    e.g. `use_pytorch_cross_attention`), set before anything reads them."""
     global _RUNTIME
     if _RUNTIME is not None:
         return _RUNTIME
@@ -65,6 +67,10 @@ def boot(base_dir: Path) -> ComfyRuntime:
     args.cpu = comfy_device() == "cpu"
     args.base_directory = str(base_dir)
     args.disable_auto_launch = True
+    for name, value in (options or {}).items():
+        if not hasattr(args, name):
+            raise ValueError(f"ComfyUI has no option {name!r}")
+        setattr(args, name, value)
 
     import folder_paths  # reads args.base_directory at import
 
