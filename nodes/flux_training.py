@@ -31,6 +31,7 @@ an attention mask (`reference_ids.forward_token_batch`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -47,6 +48,7 @@ from ..trainer_core.lora_adapters import AttachedLora, attach_lora
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
+from ..trainer_core.position_ids import TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .comfy_loading import held_for_training
 from .flux_blocks import install_trainable_blocks
@@ -74,6 +76,11 @@ class FluxLoraSession:
     @property
     def diffusion_model(self):
         return self.patcher.model.diffusion_model
+
+    @functools.cached_property
+    def grid(self) -> TokenGrid:
+        """How this model turns latents into tokens and ids (FLUX.1 or FLUX.2)."""
+        return token_grid(self.diffusion_model)
 
     def transformer_options(self) -> dict:
         """What sampling hands the model: the clone's transformer options with its wrappers
@@ -147,7 +154,7 @@ class FluxLoraSession:
             self.config,
             generator,
             self.empty_text,
-            token_grid(self.diffusion_model),
+            self.grid,
             rows,
         )
 

@@ -39,7 +39,7 @@ from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .flux_training import FluxLoraSession, flux_lora_session, linear_names
-from .model_family import flux_family, text_in, token_grid
+from .model_family import flux_family, text_in
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
 
 LOGGER = logging.getLogger("kontext_trainer")
@@ -345,7 +345,7 @@ def run_training(
         def validate() -> float:
             with tracker.timed("validation"), evaluating(session.diffusion_model):
                 return held_out_loss(
-                    session.predict, held_out, config.layout, token_grid(session.diffusion_model), config.seed
+                    session.predict, held_out, config.layout, session.grid, config.seed
                 )
 
         def on_step(info: StepInfo) -> bool:

@@ -23,12 +23,11 @@ class FluxFamily:
     base_model_version: str  # metadata: ss_base_model_version
     architecture: str  # metadata: modelspec.architecture
     text_encoder: str  # what LoadKontextDataset's CLIP should be, for messages
+    base_models: tuple[str, str]  # ours (kontext_trainer.base_model): without / with references
 
     def base_model(self, references: int) -> str:
-        """Ours (`kontext_trainer.base_model`): which model the LoRA is for."""
-        if self.image_model == "flux2":
-            return "flux2_dev"
-        return "flux1_kontext" if references else "flux1_dev"
+        """Which model the LoRA is for."""
+        return self.base_models[bool(references)]
 
 
 FLUX1 = FluxFamily(
@@ -39,6 +38,7 @@ FLUX1 = FluxFamily(
     "flux1",
     "flux-1-dev/lora",
     "CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
+    ("flux1_dev", "flux1_kontext"),
 )
 FLUX2 = FluxFamily(
     "flux2",
@@ -49,6 +49,7 @@ FLUX2 = FluxFamily(
     "flux2",
     "Flux.2-dev/lora",  # musubi-tuner's model-spec name for FLUX.2 [dev] LoRAs
     "Mistral-3 (CLIPLoader, type flux2)",
+    ("flux2_dev", "flux2_dev"),  # natively multi-reference: one model either way
 )
 FAMILIES = {family.image_model: family for family in (FLUX1, FLUX2)}
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -28,89 +29,42 @@ from kt_testing.tiny_models import (  # noqa: E402
 )
 
 
-class TinyFluxModel:
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "build"
+def _builder_node(return_type: str, build, seed: int, doc: str):
+    """A node with one `seed` widget whose output is `build(seed=seed)`: a stand-in for a stock
+    loader that builds its tiny part with ComfyUI's own classes."""
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 3, "min": 0, "max": 1000})}}
+    class Builder:
+        __doc__ = doc
+        CATEGORY = "kontext trainer tests"
+        RETURN_TYPES = (return_type,)
+        FUNCTION = "build"
 
-    def build(self, seed):
-        return (tiny_flux_patcher(seed=seed),)
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {"seed": ("INT", {"default": seed, "min": 0, "max": 1000})}}
 
+        def build(self, seed):
+            return (build(seed=seed),)
 
-class SmallFluxVAE:
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("VAE",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 1, "min": 0, "max": 1000})}}
-
-    def build(self, seed):
-        return (small_flux_vae(seed=seed),)
+    return Builder
 
 
-class TinyCLIP:
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("CLIP",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 2, "min": 0, "max": 1000})}}
-
-    def build(self, seed):
-        return (tiny_clip(seed=seed),)
-
-
-class TinyFlux2Model:
-    """Stands in for UNETLoader with a FLUX.2 [dev] file (ComfyUI's image_model flux2)."""
-
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 3, "min": 0, "max": 1000})}}
-
-    def build(self, seed):
-        return (tiny_flux2_patcher(seed=seed),)
-
-
-class SmallFlux2VAE:
-    """Stands in for VAELoader with FLUX.2's VAE: 128 latent channels at 1/16."""
-
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("VAE",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 1, "min": 0, "max": 1000})}}
-
-    def build(self, seed):
-        return (small_flux2_vae(seed=seed),)
-
-
-class TinyFlux2TextEncoder:
-    """Stands in for CLIPLoader type flux2 (Mistral-3): a tiny CLIP with no pooled output,
-    its 48-wide context matching the tiny FLUX.2's context_in_dim."""
-
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("CLIP",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"seed": ("INT", {"default": 2, "min": 0, "max": 1000})}}
-
-    def build(self, seed):
-        return (tiny_clip(seed=seed, pooled=False),)
+TinyFluxModel = _builder_node("MODEL", tiny_flux_patcher, 3, "Stands in for UNETLoader: a tiny FLUX.1.")
+SmallFluxVAE = _builder_node("VAE", small_flux_vae, 1, "Stands in for VAELoader: FLUX.1's latents.")
+TinyCLIP = _builder_node("CLIP", tiny_clip, 2, "Stands in for the FLUX.1 text encoders.")
+TinyFlux2Model = _builder_node(
+    "MODEL", tiny_flux2_patcher, 3, "Stands in for UNETLoader with a FLUX.2 [dev] file (image_model flux2)."
+)
+SmallFlux2VAE = _builder_node(
+    "VAE", small_flux2_vae, 1, "Stands in for VAELoader with FLUX.2's VAE: 128 latent channels at 1/16."
+)
+TinyFlux2TextEncoder = _builder_node(
+    "CLIP",
+    functools.partial(tiny_clip, pooled=False),
+    2,
+    "Stands in for CLIPLoader type flux2 (Mistral-3): a tiny CLIP with no pooled output, its "
+    "48-wide context matching the tiny FLUX.2's context_in_dim.",
+)
 
 
 class PoisonDataset:
