@@ -5,7 +5,22 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 HOLD_KEY = "kontext_trainer_training_hold"
+
+
+def as_the_executor_loads():
+    """Call ComfyUI's model management (load, unload) from the training thread inside this, as
+    the executor calls it: under `torch.inference_mode()`.
+
+    Why: a load or unload moves weights with `Module._apply`, which swaps each tensor's `.data`
+    for one made in the caller's mode. A loader-made Parameter (created under inference mode in
+    the executor) whose `.data` is swapped outside inference mode becomes unusable everywhere,
+    for ComfyUI's own sampling too ("Inference tensors do not track version counter"; on a GPU
+    every load is such a move). Moved under inference mode it stays a plain inference tensor:
+    ComfyUI uses it as always, and `make_autograd_safe_` replaces it where we train."""
+    return torch.inference_mode()
 
 
 def loaded_entries(match) -> list:
@@ -27,11 +42,12 @@ def unload_through_comfyui(patcher, every_clone: bool = False) -> None:
     def match(other):
         return other.model is patcher.model if every_clone else other is patcher
 
-    for loaded in loaded_entries(match):
-        comfy.model_management.current_loaded_models.remove(loaded)
-        loaded.model_unload()
-    if patcher.model.current_weight_patches_uuid is not None:  # loaded outside the manager
-        patcher.unpatch_model(patcher.offload_device)
+    with as_the_executor_loads():
+        for loaded in loaded_entries(match):
+            comfy.model_management.current_loaded_models.remove(loaded)
+            loaded.model_unload()
+        if patcher.model.current_weight_patches_uuid is not None:  # loaded outside the manager
+            patcher.unpatch_model(patcher.offload_device)
 
 
 def _prepare_sampling_in_place(executor, model, noise_shape, conds, model_options=None):
@@ -47,11 +63,12 @@ def _prepare_sampling_in_place(executor, model, noise_shape, conds, model_option
     models += model.get_nested_additional_models()
     if models:
         memory, minimum = helpers.estimate_memory(model, noise_shape, conds)
-        comfy.model_management.load_models_gpu(
-            models,
-            memory_required=memory + inference_memory,
-            minimum_memory_required=minimum + inference_memory,
-        )
+        with as_the_executor_loads():
+            comfy.model_management.load_models_gpu(
+                models,
+                memory_required=memory + inference_memory,
+                minimum_memory_required=minimum + inference_memory,
+            )
     return model.model, conds, models
 
 

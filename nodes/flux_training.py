@@ -9,9 +9,11 @@ ComfyUI).
 3. loads the clone the way sampling does (`load_models_gpu`: fully or partially, by ComfyUI's
    own accounting), so any weight patches the MODEL carries (a LoRA from the stock loader,
    ...) are applied: we train exactly the model the user loaded. From then until the run ends
-   ComfyUI's model management leaves the clone alone (`comfy_loading.held_for_training`),
-   and its inference-mode weights are swapped for autograd-usable copies
-   (`trainer_core.autograd_safe`);
+   ComfyUI's model management leaves the clone alone (`comfy_loading.held_for_training`).
+   The load runs under inference mode, as the executor's loads do (a GPU load moves every
+   weight: `comfy_loading.as_the_executor_loads`), and then every weight autograd cannot use
+   (inference tensors, and weights whose version counter is missing) is swapped for an
+   autograd-usable copy (`trainer_core.autograd_safe`);
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
    the CPU) to the shared diffusion model for the duration of the `with` block, optionally
    swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
@@ -50,7 +52,7 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
-from .comfy_loading import held_for_training
+from .comfy_loading import as_the_executor_loads, held_for_training
 from .flux_blocks import install_trainable_blocks
 from .fp8_scaled import fp8_scaled_weights
 from .model_family import token_grid
@@ -234,7 +236,8 @@ def flux_lora_session(
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
             undo.enter_context(fp8_scaled_weights(clone))
-        comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
+        with as_the_executor_loads():
+            comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
         undo.enter_context(held_for_training(clone))
         diffusion_model = clone.model.diffusion_model
         _without_pins(clone, lambda: make_autograd_safe_(diffusion_model))

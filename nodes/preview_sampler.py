@@ -24,6 +24,7 @@ from PIL import Image
 from ..trainer_core.limits import check_number
 from ..trainer_core.names import preview_name
 from ..trainer_core.validation import evaluating
+from .comfy_loading import as_the_executor_loads
 from .extension_ids import node_id
 
 Preview = io.Custom("KONTEXT_PREVIEW")
@@ -85,7 +86,8 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
             disable_pbar=True,
             seed=settings.seed,
         )
-        images = settings.vae.decode(samples.to(comfy.model_management.intermediate_device()))
+        with as_the_executor_loads():  # decoding loads the VAE (from the training thread)
+            images = settings.vae.decode(samples.to(comfy.model_management.intermediate_device()))
     return images.reshape(-1, *images.shape[-3:]).float().cpu()
 
 

@@ -81,8 +81,10 @@ class ComfyServer:
         start_timeout: float = 180.0,
         extra_packs: dict[str, Path] | None = None,
         device: str | None = None,
+        env: dict[str, str] | None = None,
     ):
-        """`device`: "cpu" starts ComfyUI with --cpu, "cuda" without it; None: `comfy_device()`."""
+        """`device`: "cpu" starts ComfyUI with --cpu, "cuda" without it; None: `comfy_device()`.
+        `env`: extra environment variables for the server process."""
         self.device = device or comfy_device()
         if self.device not in COMFY_DEVICES:
             raise ValueError(f"device {self.device!r}: use one of {', '.join(COMFY_DEVICES)}")
@@ -92,6 +94,7 @@ class ComfyServer:
         self.log_path = self.base_dir / "server.log"
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
+        self.env = dict(env or {})
 
     def __enter__(self) -> ComfyServer:
         self.start()
@@ -115,7 +118,7 @@ class ComfyServer:
             "--database-url",
             "sqlite:///:memory:",
         ]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             cmd,

@@ -9,6 +9,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
+import os
 import sys
 from pathlib import Path
 
@@ -19,6 +21,7 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
     small_flux2_vae,
@@ -132,6 +135,30 @@ class ModelDifference:
         return {"ui": {"difference": [float((outputs[0] - outputs[1]).abs().max())]}}
 
 
+if os.environ.get(DEVICE_MOVES_ENV) == "1":  # this server's loads move weights as onto a GPU
+    emulate_everywhere()
+    logging.getLogger(__name__).warning(
+        "kt test: loads move weights as onto a GPU (every ModelPatcher, on load and unload)"
+    )
+
+
+class LatentDigest:
+    """A LATENT's sum and absolute sum, shown as UI output (to compare two samplings)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "digest"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"samples": ("LATENT",)}}
+
+    def digest(self, samples):
+        latent = samples["samples"].double()
+        return {"ui": {"digest": [float(latent.sum()), float(latent.abs().sum())]}}
+
+
 NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFluxModel": TinyFluxModel,
     "KTTest_SmallFluxVAE": SmallFluxVAE,
@@ -142,4 +169,5 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_ModelDifference": ModelDifference,
+    "KTTest_LatentDigest": LatentDigest,
 }

@@ -93,3 +93,15 @@ def lowvram_layers(diffusion_model) -> list[str]:
     """The layers a partial load left behind (ComfyUI marks them `prev_comfy_cast_weights`)."""
     marked = [n for n, m in diffusion_model.named_modules() if hasattr(m, "prev_comfy_cast_weights")]
     return [name.removesuffix(".base_layer") for name in marked]  # as named before a LoRA wrapped it
+
+
+def offload_reserve(patcher) -> int:
+    """The bytes ComfyUI's partial load keeps free beside the weights it loads, by its own
+    accounting (`ModelPatcher.load` in 0.3.75): the largest layer it may leave behind, counted
+    with a weight patch's `LowVramPatch` estimate (a stock LoRA's layers count several times
+    their size), times NUM_STREAMS + 1 (2 streams on NVIDIA, where it offloads asynchronously;
+    0 on the CPU). A weights budget below this loads no layer at all."""
+    import comfy.model_management as mm
+
+    largest = max(entry[0] for entry in patcher._load_list() if hasattr(entry[3], "comfy_cast_weights"))
+    return int(largest * (mm.NUM_STREAMS + 1))

@@ -15,9 +15,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kt_testing.devices import META, cpu_as_small_gpu, lora_state, lowvram_layers, meta_as_gpu, stock_lora
+from kt_testing.device_moves import emulate_device_moves
+from kt_testing.devices import (
+    META,
+    cpu_as_small_gpu,
+    lora_state,
+    lowvram_layers,
+    meta_as_gpu,
+    offload_reserve,
+    stock_lora,
+)
 from kt_testing.probes import model_output, tiny_samples
 from kt_testing.tiny_models import small_flux_vae, tiny_flux_patcher
+from trainer_core.autograd_safe import autograd_unsafe
 
 # attention + a single block's fused layer (trained by the default preset) and a modulation
 # layer (not trained by it: its weight stays a plain patched Linear under the run)
@@ -165,6 +175,38 @@ def test_a_partial_load_trains_exactly_like_a_full_load(mods, monkeypatch, case)
     assert torch.equal(model_output(model), before)
 
 
+@pytest.mark.parametrize("streams", [0, 2], ids=["cpu-streams", "nvidia-streams"])
+def test_half_the_weights_is_a_partial_load_only_beside_comfyuis_offload_reserve(mods, monkeypatch, streams):
+    """On the H100 the GPU layer's partial-load test, given half the weights of a MODEL with a
+    stock LoRA, found every layer left behind ("47 layers left behind, weights on ['cpu']").
+    ComfyUI's own accounting, not the trainer: on NVIDIA it offloads asynchronously
+    (NUM_STREAMS 2) and keeps (NUM_STREAMS + 1) x the largest left-behind layer free, a
+    patched layer counted with its LowVramPatch estimate (`offload_reserve`). With 2 streams
+    half the weights load no layer (here as on the H100: every layer left behind); a quarter
+    of the weights plus the reserve splits the model, with either stream count."""
+    import comfy.model_management as mm
+
+    monkeypatch.setattr(mm, "NUM_STREAMS", streams)
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", seed=4)
+    castable = [
+        n
+        for n, m in base_model("fp32", True).model.diffusion_model.named_modules()
+        if hasattr(m, "comfy_cast_weights")
+    ]
+
+    def left_behind(budget_of) -> int:
+        model = base_model("fp32", True)
+        with pytest.MonkeyPatch.context() as scoped:
+            cpu_as_small_gpu(scoped, weight_budget=budget_of(model))
+            with mods.ft.flux_lora_session(model, config) as session:
+                return len(lowvram_layers(session.diffusion_model))
+
+    half = left_behind(lambda model: weight_bytes(model) // 2)
+    beside = left_behind(lambda model: weight_bytes(model) // 4 + offload_reserve(model))
+    assert 0 < beside < len(castable)
+    assert (half == len(castable)) if streams else (0 < half < len(castable))
+
+
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])
 def test_fp8_scaled_applies_the_stock_lora_exactly(mods, monkeypatch, partial):
     """Each patched layer computes with its fp8 values times their scale plus the stock LoRA's
@@ -265,3 +307,69 @@ def test_previews_sample_the_training_clone_in_place(mods, monkeypatch):
         assert calls  # the VAE was loaded the normal way
         assert {n: p.data_ptr() for n, p in session.diffusion_model.named_parameters()} == weights
     assert images.shape == (1, 64, 64, 3) and torch.isfinite(images).all()
+
+
+# -- 4. weights a GPU load has moved (kt_testing.device_moves) ------------------------------------
+
+
+def loaded_in_the_executor(kind: str, with_lora: bool):
+    """`base_model` as a loader node makes it (under inference mode, in the executor), with
+    every later load and unload moving its weights as a GPU load does, loaded once by a sampling
+    run in the executor."""
+    import comfy.model_management as mm
+
+    with torch.inference_mode():
+        model = emulate_device_moves(base_model(kind, with_lora))
+        mm.load_models_gpu([model])
+    return model
+
+
+def half_inference(model) -> list[str]:
+    """Weights no op can use: not inference tensors, yet without a version counter."""
+    unsafe = [n for n, p in model.model.diffusion_model.named_parameters() if not p.is_inference()]
+    return [n for n in unsafe if autograd_unsafe(model.model.diffusion_model.get_parameter(n))]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "fp32",
+        "fp32-stock-lora-left-behind",
+        "fp8",
+        "fp8_scaled-stock-lora-left-behind",
+        "swap-split-blocks-stock-lora",
+    ],
+)
+def test_weights_moved_by_a_gpu_load_train_exactly_like_plain_ones(mods, monkeypatch, case):
+    """The first GPU run failed at step 1 ("Inference tensors do not track version counter"):
+    the training thread's load moved loader-made weights outside inference mode. Here each
+    load moves them so (and cast, patched by a stock LoRA, partially loaded); two runs with
+    "Unload models" between them (the second loads the model again) give exactly the loss and
+    gradients of the same model made outside inference mode and never moved."""
+    import comfy.model_management as mm
+
+    kind, with_lora, settings, divisor = CASES[case]
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", seed=4, **settings)
+    expected_loss, expected_grads, *_ = gradients(mods, base_model(kind, with_lora), config)
+    cpu_as_small_gpu(monkeypatch, weight_budget=weight_bytes(base_model(kind, with_lora)) // divisor)
+    model = loaded_in_the_executor(kind, with_lora)
+    for _ in range(2):
+        loss, grads, left_behind, _ = gradients(mods, model, config)
+        assert left_behind  # a partial load
+        assert torch.equal(loss, expected_loss)
+        assert all(torch.equal(g, e) for g, e in zip(grads, expected_grads, strict=True))
+        mm.unload_all_models()  # the button, from a thread outside inference mode
+    assert not half_inference(model)  # the run left nothing unusable behind
+
+
+def test_loads_from_the_training_thread_leave_the_loaders_weights_usable(mods):
+    """ComfyUI's model management called from the training thread (the clone's load, the
+    fp8_scaled unload) runs as in the executor, under inference mode: afterwards the shared
+    MODEL's weights are plain inference tensors ComfyUI can use, never half-inference ones."""
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=4, fp8_mode="fp8_scaled")
+    model = loaded_in_the_executor("fp32", True)
+    with mods.ft.flux_lora_session(model, config):
+        pass
+    assert not half_inference(model)
+    with torch.inference_mode():
+        model_output(model)  # ComfyUI's own forward on the MODEL

@@ -80,3 +80,51 @@ def test_tied_weights_stay_tied_and_normal_tensors_keep_their_identity():
     assert module.embed.weight is module.unembed.weight and not module.embed.weight.is_inference()
     assert all(getattr(normal, name) is parameter for name, parameter in kept.items())
     assert make_autograd_safe_(module) == 0  # nothing left to replace
+
+
+def moved_after_an_inference_mode_load(convert) -> torch.nn.Sequential:
+    """What the GPU showed (COMFYUI_NOTES, "Learned on the GPU"): weights created under inference
+    mode (a loader in the executor), then converted by `Module._apply` outside it (the move to
+    CUDA, a dtype change): `is_inference()` is False, and the version counter is missing."""
+    module = loaded_under_inference_mode()
+    convert(module)
+    return module
+
+
+CONVERSIONS = {
+    "device-move": lambda module: module._apply(lambda t: t.clone()),  # .to("cuda") on the CPU
+    "dtype": lambda module: module.to(torch.float64),
+}
+
+
+@pytest.mark.parametrize("convert", CONVERSIONS.values(), ids=CONVERSIONS.keys())
+def test_half_inference_weights_fail_every_use_until_replaced(convert):
+    module = moved_after_an_inference_mode_load(convert)
+    dtype = module[0].weight.dtype
+    assert not any(p.is_inference() for p in module.parameters())  # what a check by flag sees
+    with pytest.raises(RuntimeError, match="Inference tensors do not track version counter"):
+        _ = module[0].weight._version
+    for context in (torch.no_grad(), torch.inference_mode()):  # not even inference works
+        with context, pytest.raises(RuntimeError, match="do not track version counter"):
+            module(torch.randn(2, 4, dtype=dtype))
+    values = {name: t.data.clone() for name, t in module.state_dict(keep_vars=True).items()}
+    assert make_autograd_safe_(module) == 6
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        assert isinstance(tensor, torch.nn.Parameter) and tensor._version >= 0
+        assert torch.equal(tensor, values[name]) and tensor.dtype == dtype
+    x = torch.randn(5, 4, dtype=dtype, requires_grad=True)
+    module(x).sum().backward()
+    assert x.grad is not None and all(p.grad is not None for p in module.parameters())
+
+
+def test_weights_moved_inside_inference_mode_are_plain_inference_tensors():
+    """The executor's own loads (inference mode on) leave tensors `is_inference()` finds; a
+    safe module moved either way stays usable (ComfyUI later unloads it from any thread)."""
+    module = loaded_under_inference_mode()
+    with torch.inference_mode():
+        module._apply(lambda t: t.clone())
+    assert all(p.is_inference() for p in module.parameters())
+    assert make_autograd_safe_(module) == 6
+    module._apply(lambda t: t.clone())  # outside: made safe, it stays safe
+    assert make_autograd_safe_(module) == 0
+    input_gradient(module)

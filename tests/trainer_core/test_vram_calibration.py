@@ -1,0 +1,26 @@
+"""The VRAM estimate against peaks measured on a GPU (bench/vram_peaks.json): never below a
+measured peak, and within 15% of it. A new measurement is a new row in that file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from trainer_core.vram import estimate_vram
+
+TABLE = json.loads((Path(__file__).resolve().parents[2] / "bench" / "vram_peaks.json").read_text())
+ROWS = TABLE["rows"]
+
+
+def test_the_table_has_measurements():
+    assert ROWS and all(row["measured_gib"] > 0 and row["source"] for row in ROWS)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[row["name"] for row in ROWS])
+def test_the_estimate_is_at_or_above_the_measured_peak_and_within_15_percent(row):
+    estimate = estimate_vram(**TABLE["common"]["settings"], **row["settings"])
+    measured = row["measured_gib"]
+    print(f"\n{row['name']}: estimate {estimate.peak:.1f} GiB, measured {measured:.1f} GiB")
+    assert measured <= estimate.peak <= 1.15 * measured
