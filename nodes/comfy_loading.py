@@ -50,11 +50,12 @@ def unload_through_comfyui(patcher, every_clone: bool = False) -> None:
             patcher.unpatch_model(patcher.offload_device)
 
 
-def _prepare_sampling_in_place(executor, model, noise_shape, conds, model_options=None):
+def _prepare_sampling_in_place(executor, model, noise_shape, conds, model_options=None, **_loading):
     """The training clone's PREPARE_SAMPLING wrapper: previews sample the model exactly as
     training holds it. ComfyUI's `_prepare_sampling` without loading the clone itself (it is
     loaded; loading it again could move or re-patch weights under the run); additional
-    models (a ControlNet in the conditioning, ...) still load."""
+    models (a ControlNet in the conditioning, ...) still load. `_loading`: how ComfyUI 0.33
+    asks the clone to load (`force_full_load`, `force_offload`), moot for a clone that stays."""
     import comfy.model_management
     import comfy.sampler_helpers as helpers
 

@@ -2,8 +2,9 @@
 ComfyUI).
 
 `flux_lora_session(model, config)` is a context manager that
-1. clones the MODEL (`with_reference_ids`: our reference position ids) and installs the out-of-place
-   block forwards on the clone (`flux_blocks`), all as ModelPatcher patches;
+1. clones the MODEL (`with_reference_ids`: our reference position ids) and makes ComfyUI's own
+   blocks trainable on the clone (`flux_blocks`: block patches, norm pre-hooks), with
+   ComfyUI's training mode on (`flux_blocks.comfy_training_mode`);
 2. (fp8_scaled only) gives the clone's block linears scaled fp8 weights *before* loading
    (`fp8_scaled`), so the GPU never holds the full-precision model;
 3. loads the clone the way sampling does (`load_models_gpu`: fully or partially, by ComfyUI's
@@ -15,8 +16,10 @@ ComfyUI).
    (inference tensors, and weights whose version counter is missing) is swapped for an
    autograd-usable copy (`trainer_core.autograd_safe`);
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
-   the CPU) to the shared diffusion model for the duration of the `with` block, optionally
-   swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
+   the CPU) to the shared diffusion model for the duration of the `with` block, checks on one
+   small input that the training path computes what ComfyUI's own forward computes for this
+   model (`forward_guard`: a ComfyUI release that breaks the patches stops the run before any
+   step), optionally swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
    object the user holds never gets a patch, and once the block exits its module tree is the
    original one again.
 
@@ -53,10 +56,26 @@ from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .comfy_loading import as_the_executor_loads, held_for_training
-from .flux_blocks import install_trainable_blocks
+from .flux_blocks import comfy_training_mode, install_trainable_blocks
+from .forward_guard import check_training_forward
 from .fp8_scaled import fp8_scaled_weights
 from .model_family import token_grid
 from .reference_ids import forward_token_batch, with_reference_ids
+
+
+def sampling_options(patcher) -> dict:
+    """What sampling hands the model: the patcher's transformer options with its wrappers
+    merged in (`sampler_helpers.prepare_model_patcher` does the same). A fresh dict per call,
+    because Flux writes block indices into it."""
+    import comfy.model_patcher
+    import comfy.patcher_extension
+
+    options = comfy.model_patcher.create_model_options_clone(patcher.model_options)
+    transformer_options = options["transformer_options"]
+    comfy.patcher_extension.merge_nested_dicts(
+        transformer_options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False
+    )
+    return transformer_options
 
 
 def linear_names(module: torch.nn.Module) -> list[str]:
@@ -85,18 +104,7 @@ class FluxLoraSession:
         return token_grid(self.diffusion_model)
 
     def transformer_options(self) -> dict:
-        """What sampling hands the model: the clone's transformer options with its wrappers
-        merged in (`sampler_helpers.prepare_model_patcher` does the same). A fresh dict per
-        call, because Flux writes block indices into it."""
-        import comfy.model_patcher
-        import comfy.patcher_extension
-
-        options = comfy.model_patcher.create_model_options_clone(self.patcher.model_options)
-        transformer_options = options["transformer_options"]
-        comfy.patcher_extension.merge_nested_dicts(
-            transformer_options.setdefault("wrappers", {}), self.patcher.wrappers, copy_dict1=False
-        )
-        return transformer_options
+        return sampling_options(self.patcher)
 
     def predict(
         self, batch: TokenBatch, sigma: torch.Tensor, context: torch.Tensor, pooled: torch.Tensor
@@ -246,12 +254,19 @@ def flux_lora_session(
             diffusion_model, names, config.rank, config.alpha, config.dropout, initial, clone.load_device
         )
         undo.callback(lora.detach)
+        # before any step: the training path computes what ComfyUI's own forward computes
+        remove_hooks = install_trainable_blocks(clone, config.gradient_checkpointing)
+        try:
+            check_training_forward(clone, sampling_options(clone), _compute_dtype(clone.model))
+        finally:
+            remove_hooks()
         swapper = None
         if config.blocks_to_swap:
             swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
             undo.callback(swapper.restore)
             swapper.prepare()
-        install_trainable_blocks(clone, config.gradient_checkpointing, swapper)
+        undo.callback(install_trainable_blocks(clone, config.gradient_checkpointing, swapper))
+        undo.enter_context(comfy_training_mode(True))
         undo.callback(diffusion_model.train, diffusion_model.training)
         diffusion_model.train(config.dropout > 0)
         yield FluxLoraSession(clone, lora, config, empty_text, swapper)

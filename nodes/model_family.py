@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from ..trainer_core.model_family import FluxFamily, check_family_layout, family_named
+from ..trainer_core.model_family import (
+    FluxFamily,
+    check_family_layout,
+    family_named,
+    refuse_variant,
+    unsupported_variant,
+)
 from ..trainer_core.position_ids import TokenGrid
 
 
@@ -24,7 +30,20 @@ def image_model_of(model) -> str | None:
 
 
 def flux_family(model, what: str = "this MODEL") -> FluxFamily:
-    return family_named(image_model_of(model), what)
+    """The family, or a clear refusal for a model the pack does not train (also one that
+    shares a family's `image_model`: LongCat-Image, Ovis-Image, FLUX.2 [klein])."""
+    image_model = image_model_of(model)
+    family = family_named(image_model, what)
+    params = model.model.diffusion_model.params
+    variant = unsupported_variant(
+        image_model,
+        params.context_in_dim,
+        params.vec_in_dim,
+        yak_mlp=getattr(params, "yak_mlp", False),
+        txt_ids_dims=tuple(getattr(params, "txt_ids_dims", None) or ()),
+    )
+    refuse_variant(variant, what)
+    return family
 
 
 def token_grid(diffusion_model) -> TokenGrid:

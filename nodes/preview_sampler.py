@@ -26,6 +26,7 @@ from ..trainer_core.names import preview_name
 from ..trainer_core.validation import evaluating
 from .comfy_loading import as_the_executor_loads
 from .extension_ids import node_id
+from .flux_blocks import comfy_training_mode
 
 Preview = io.Custom("KONTEXT_PREVIEW")
 PREVIEW_FOLDER = "kontext_trainer_previews"
@@ -71,7 +72,11 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
     scale = settings.vae.spacial_compression_encode()
     latent = torch.zeros(1, channels, settings.height // scale, settings.width // scale)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with evaluating(session.diffusion_model), torch.random.fork_rng(devices=devices):
+    with (
+        evaluating(session.diffusion_model),
+        torch.random.fork_rng(devices=devices),
+        comfy_training_mode(False),  # sampling as ComfyUI samples (its fused RoPE)
+    ):
         noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(settings.seed))
         samples = comfy.sample.sample(
             session.patcher,

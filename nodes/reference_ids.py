@@ -108,15 +108,15 @@ def forward_token_batch(
     """
     txt_ids = text_position_ids(context.shape[0], context.shape[1], batch.ids.shape[-1], context.device)
     mask = attention_bias(batch.valid, context.shape[1], dtype=batch.tokens.dtype)
-    return diffusion_model.forward_orig(
-        batch.tokens,
-        batch.ids.to(context.device),
-        context,
-        txt_ids,
-        timesteps,
-        y,
-        guidance,
-        None,
-        transformer_options or {},
+    return diffusion_model.forward_orig(  # by keyword: ComfyUI 0.33 added a positional parameter
+        img=batch.tokens,
+        img_ids=batch.ids.to(context.device),
+        txt=context,
+        txt_ids=txt_ids,
+        timesteps=timesteps,
+        y=y,
+        guidance=guidance,
+        control=None,
+        transformer_options=transformer_options or {},
         attn_mask=mask,
     )

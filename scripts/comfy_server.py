@@ -43,6 +43,16 @@ def comfyui_root() -> Path:
     return root
 
 
+# Set-up puts a ComfyUI's own frontend, templates and docs packages here when their pins
+# differ from the venv's (ComfyUI 0.33 beside 0.3.75); they go first on that ComfyUI's path.
+SITE_DIR_NAME = ".kontext-site"
+
+
+def comfyui_site(root: Path | None = None) -> Path | None:
+    site = (root or comfyui_root()) / SITE_DIR_NAME
+    return site if site.is_dir() else None
+
+
 def comfy_device() -> str:
     """The device test ComfyUIs run on: KT_TEST_DEVICE (cpu or cuda), "cpu" when unset."""
     device = os.environ.get(TEST_DEVICE_ENV, "").strip().lower() or "cpu"
@@ -119,6 +129,9 @@ class ComfyServer:
             "sqlite:///:memory:",
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
+        site = comfyui_site()
+        if site is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
         self._log = open(self.log_path, "wb")
         self.process = subprocess.Popen(
             cmd,

@@ -47,6 +47,23 @@ DEMO_FLUX_CONFIG = {
     "guidance_embed": True,
 }
 
+# What ComfyUI's model detection adds to a Flux config in versions whose `FluxParams` needs it
+# (0.33: the axes text ids count on; none for FLUX.1, the 4th for FLUX.2).
+TXT_IDS_DIMS = {"flux": [], "flux2": [3]}
+
+
+def for_this_comfyui(unet_config: dict) -> dict:
+    """`unet_config` as the running ComfyUI's Flux takes it (a copy)."""
+    import dataclasses
+
+    from comfy.ldm.flux.model import FluxParams
+
+    config = dict(unet_config)
+    if "txt_ids_dims" in {field.name for field in dataclasses.fields(FluxParams)}:
+        config.setdefault("txt_ids_dims", TXT_IDS_DIMS[config["image_model"]])
+    return config
+
+
 # The Flux VAE (ae.safetensors) topology, as ComfyUI's VAE class builds it for those key names.
 FLUX_AE_DDCONFIG = {
     "double_z": True,
@@ -91,7 +108,9 @@ def flux_state_dict(seed: int = 1) -> dict[str, torch.Tensor]:
     import comfy.ops
 
     with torch.device("meta"):
-        model = comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **DEMO_FLUX_CONFIG)
+        model = comfy.ldm.flux.model.Flux(
+            operations=comfy.ops.disable_weight_init, **for_this_comfyui(DEMO_FLUX_CONFIG)
+        )
     return _seeded_from_meta(model, seed, torch.bfloat16)
 
 

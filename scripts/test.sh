@@ -1,17 +1,43 @@
 #!/usr/bin/env bash
-# Lint, then every test layer (trainer_core, nodes, e2e). Extra arguments go to pytest,
-# e.g. `bash scripts/test.sh -m "not e2e"`.
+# Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75, then the
+# layers that use ComfyUI (nodes, e2e, the GPU layer's skips) again on ComfyUI 0.33 where set-up
+# unpacked it (.comfyui-0.33/). Extra arguments go to both pytest runs, e.g.
+# `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 .venv/bin/ruff check . || exit 1
-start=$SECONDS
-.venv/bin/python -m pytest "$@"
-status=$?
-echo "[test] pytest finished in $((SECONDS - start)) s with exit code $status"
-if [[ $status -eq 5 ]]; then
-    echo "[test] pytest collected no tests: that is a failure here" >&2
-    exit 1
+
+run_pytest() {  # label, then pytest arguments
+    local label="$1" start=$SECONDS status
+    shift
+    echo "[test] ComfyUI $label"
+    .venv/bin/python -m pytest "$@"
+    status=$?
+    echo "[test] ComfyUI $label: pytest finished in $((SECONDS - start)) s with exit code $status"
+    if [[ $status -eq 5 ]]; then
+        echo "[test] pytest collected no tests: that is a failure here" >&2
+        status=1
+    fi
+    return $status
+}
+
+if [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]]; then
+    run_pytest "at $KONTEXT_TRAINER_COMFYUI" "$@"
+    exit $?
 fi
-exit $status
+
+run_pytest 0.3.75 "$@"
+first=$?
+COMFY_033="$ROOT/.comfyui-0.33"
+if [[ ! -f "$COMFY_033/main.py" ]]; then
+    echo "[test] ComfyUI 0.33 is not set up (no source tarball): tested on 0.3.75 only"
+    exit $first
+fi
+KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
+    PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
+    run_pytest 0.33 tests/nodes tests/e2e tests/gpu "$@"
+second=$?
+echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
+[[ $first -eq 0 && $second -eq 0 ]]

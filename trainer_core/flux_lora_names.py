@@ -32,6 +32,15 @@ _DOUBLE_FUSED = {
 # the same inside a single block (`single_transformer_blocks.N`)
 _SINGLE = {"linear2": "proj_out", "modulation.lin": "norm.linear"}
 _SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
+# FLUX.2's diffusers names (Flux2Transformer2DModel) for the same layers, unfused where ComfyUI
+# keeps them fused: ComfyUI 0.33's key map reads them for every Flux
+_DOUBLE_ALIASES = {
+    "img_mlp.0": "ff.linear_in",
+    "img_mlp.2": "ff.linear_out",
+    "txt_mlp.0": "ff_context.linear_in",
+    "txt_mlp.2": "ff_context.linear_out",
+}
+_SINGLE_ALIASES = {"linear1": "attn.to_qkv_mlp_proj", "linear2": "attn.to_out"}
 # layers outside the blocks
 _TOP = {
     "img_in": "x_embedder",
@@ -74,9 +83,15 @@ def diffusers_places(flux_names: Iterable[str]) -> dict[str, Place]:
             continue
         kind, index, layer = match.groups()
         block = f"transformer_blocks.{index}" if kind == "double" else f"single_transformer_blocks.{index}"
-        plain, fused = (_DOUBLE, _DOUBLE_FUSED) if kind == "double" else (_SINGLE, _SINGLE_FUSED)
+        plain, fused, aliases = (
+            (_DOUBLE, _DOUBLE_FUSED, _DOUBLE_ALIASES)
+            if kind == "double"
+            else (_SINGLE, _SINGLE_FUSED, _SINGLE_ALIASES)
+        )
         if layer in plain:
             places[f"{block}.{plain[layer]}"] = Place(name)
+        if layer in aliases:
+            places[f"{block}.{aliases[layer]}"] = Place(name)
         for part, diffusers_layer in enumerate(fused.get(layer, ())):
             places[f"{block}.{diffusers_layer}"] = Place(name, part)
     return places

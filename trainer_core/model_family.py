@@ -65,6 +65,42 @@ def family_named(image_model: str | None, what: str = "this MODEL") -> FluxFamil
     return family
 
 
+# Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
+# their text ids, layers or text encoder differ, and training them is not proven. Told apart by
+# what ComfyUI's detection reads from the weights (comfy/model_detection.py, 0.33).
+FLUX2_KLEIN_CONTEXT = {7680: "FLUX.2 [klein] 4B", 12288: "FLUX.2 [klein] 9B"}  # Qwen3 4B / 8B, 3 layers
+
+
+def unsupported_variant(
+    image_model: str | None,
+    context_in_dim: int,
+    vec_in_dim: int | None,
+    yak_mlp: bool = False,
+    txt_ids_dims: tuple[int, ...] | list[int] = (),
+) -> str | None:
+    """The name of a model that shares a supported family's `image_model` but is not trained
+    by the pack; None for FLUX.1 / FLUX.2 [dev]."""
+    if image_model == "flux":
+        if yak_mlp:
+            return "Ovis-Image"
+        if context_in_dim == 3584 and vec_in_dim is None:
+            return "LongCat-Image"
+        if txt_ids_dims:
+            return f"a Flux-architecture model with text position ids on axes {list(txt_ids_dims)}"
+    if image_model == "flux2":
+        return FLUX2_KLEIN_CONTEXT.get(context_in_dim)
+    return None
+
+
+def refuse_variant(variant: str | None, what: str = "this MODEL") -> None:
+    if variant is not None:
+        raise ValueError(
+            f"{what} is {variant}, which ComfyUI runs with its Flux code; Kontext Trainer trains "
+            "FLUX.1 (dev, Kontext) and FLUX.2 [dev] only (its text ids, layers or text encoder "
+            "differ, and training it is not proven). Load one of those with the stock loaders"
+        )
+
+
 def check_family_layout(family: FluxFamily, layout: str) -> str:
     if layout not in family.layouts:
         raise ValueError(

@@ -8,6 +8,7 @@ from urllib.parse import urlparse
 
 import pytest
 
+from kt_testing.frontend import extension_registered
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.server import ComfyServer
 
@@ -81,6 +82,8 @@ def watch_for_problems(page) -> None:
             unresolved_hosts.add(urlparse(request.url).hostname)
 
     page.on("requestfailed", on_request_failed)
+    # the console's "Failed to load resource" names no address: record the addresses too
+    page.on("response", lambda r: r.status >= 400 and problems.append(f"HTTP {r.status}: {r.url}"))
 
     def ui_problems() -> list[str]:
         found = [*problems, *(f"toast: {t}" for t in page.evaluate(TOASTS_JS))]
@@ -109,7 +112,7 @@ def comfy_page(chromium, server):
     page.goto(server.url)
     # The pack's extensions register after the core ones: wait for ours.
     page.wait_for_function(
-        "() => window.comfyAPI?.app?.app?.extensions?.some(e => e.name === 'KontextTrainer.About')",
+        extension_registered("KontextTrainer.About"),
         timeout=60_000,
     )
     # Node definitions are registered a moment later: wait until every node type is known.

@@ -15,6 +15,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from kt_testing.datasets import write_one_folder
+from kt_testing.frontend import extension_registered
 from kt_testing.graphs import training_graph
 from kt_testing.paths import REPO_ROOT
 
@@ -86,8 +87,9 @@ def reload(page):
     problems are watched from then on."""
     page.reload()
     page.wait_for_function(
-        "() => window.comfyAPI?.app?.app?.extensions?.some(e => e.name === 'KontextTrainer.TrainingPanel')"
-        " && !!window.LiteGraph?.registered_node_types?.['KTTest_TinyCLIP']",
+        extension_registered(
+            "KontextTrainer.TrainingPanel", "!!window.LiteGraph?.registered_node_types?.['KTTest_TinyCLIP']"
+        ),
         timeout=60_000,
     )
     page.forget_problems()  # after the start-up requests (settings, user data, release notes)

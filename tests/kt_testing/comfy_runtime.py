@@ -19,7 +19,7 @@ from types import ModuleType
 
 from comfy_server import comfy_device
 
-from .paths import PACK_DIR_NAME, comfyui_root, make_base_directory
+from .paths import PACK_DIR_NAME, comfyui_root, comfyui_site, make_base_directory
 
 
 @dataclass
@@ -58,8 +58,9 @@ def boot(base_dir: Path, options: dict | None = None) -> ComfyRuntime:
     if _RUNTIME is not None:
         return _RUNTIME
     root = comfyui_root()
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    for path in filter(None, [root, comfyui_site(root)]):  # the site first
+        if str(path) not in sys.path:
+            sys.path.insert(0, str(path))
     base_dir = make_base_directory(base_dir)
 
     from comfy.cli_args import args  # parsed with defaults: ComfyUI's arg parsing is off here

@@ -32,6 +32,18 @@ def meta_as_gpu(monkeypatch, patcher, free_bytes: int = 2**40):
 
     monkeypatch.setattr(mm, "get_free_memory", get_free_memory)
     monkeypatch.setattr(mm, "vram_state", mm.VRAMState.NORMAL_VRAM)
+    # ComfyUI 0.33 rounds a patched fp8 weight stochastically with a generator on the weight's
+    # device, which `meta` cannot have; meta holds no values, so a plain cast is the same
+    import comfy.float
+
+    rounding = comfy.float.stochastic_rounding
+
+    def stochastic_rounding(value, dtype, seed=0):
+        if value.device.type == "meta":
+            return value.to(dtype)
+        return rounding(value, dtype, seed=seed)
+
+    monkeypatch.setattr(comfy.float, "stochastic_rounding", stochastic_rounding)
     patcher.load_device = META
     return patcher
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import itertools
 import threading
 import uuid
@@ -320,7 +321,7 @@ def _execute(prompt: dict, targets: list[str], extra_pnginfo: dict | None, valid
     server = RecordingServer()
     server.last_prompt_id = prompt_id  # as main.py's prompt_worker does
     executor = _capturing_executor_class()(
-        server, cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0}
+        server, cache_type=execution.CacheType.CLASSIC, cache_args={"lru": 0, "ram": 0, "ram_inactive": 0}
     )
     extra_data = {"client_id": CLIENT_ID}
     if extra_pnginfo is not None:
@@ -334,6 +335,8 @@ def _execute(prompt: dict, targets: list[str], extra_pnginfo: dict | None, valid
     outputs = {}
     for node_id, node in prompt.items():
         entry = executor.caches.outputs.get(node_id)
+        if inspect.iscoroutine(entry):  # ComfyUI 0.33's caches are read asynchronously
+            entry = asyncio.run(entry)
         if entry is not None and node["class_type"] != STASH_NODE:
             outputs[node_id] = _output_tuple(entry.outputs, node["class_type"])
     return GraphResult(outputs, executor.history_result["outputs"], server.messages, prompt_id)

@@ -7,6 +7,7 @@ from comfy_server import (  # noqa: F401  (re-exported)
     REPO_ROOT,
     asset_cache_dir,
     comfyui_root,
+    comfyui_site,
     make_base_directory,
 )
 

@@ -12,6 +12,8 @@ from typing import ClassVar
 
 import torch
 
+from demo_assets import for_this_comfyui
+
 # Hidden 64 with 2 heads: head dim 32 = sum(axes_dim). Text 48 / pooled 32 keep it tiny.
 TINY_FLUX_CONFIG = {
     "image_model": "flux",
@@ -100,7 +102,7 @@ def build_flux_model(
     import comfy.supported_models
 
     family = {"flux": comfy.supported_models.Flux, "flux2": comfy.supported_models.Flux2}
-    model_config = family[unet_config["image_model"]](dict(unet_config))
+    model_config = family[unet_config["image_model"]](for_this_comfyui(unet_config))
     model_config.set_inference_dtype(dtype, manual_cast_dtype)
     model = model_config.get_model({})
     init(model.diffusion_model, seed)

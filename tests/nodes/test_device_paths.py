@@ -182,8 +182,9 @@ def test_half_the_weights_is_a_partial_load_only_beside_comfyuis_offload_reserve
     ComfyUI's own accounting, not the trainer: on NVIDIA it offloads asynchronously
     (NUM_STREAMS 2) and keeps (NUM_STREAMS + 1) x the largest left-behind layer free, a
     patched layer counted with its LowVramPatch estimate (`offload_reserve`). With 2 streams
-    half the weights load no layer (here as on the H100: every layer left behind); a quarter
-    of the weights plus the reserve splits the model, with either stream count."""
+    half the weights load no layer (here as on the H100: every layer left behind; ComfyUI 0.33
+    counts its reserve differently and splits the model); a quarter of the weights plus the
+    reserve splits the model, with either stream count and either ComfyUI."""
     import comfy.model_management as mm
 
     monkeypatch.setattr(mm, "NUM_STREAMS", streams)
@@ -204,7 +205,12 @@ def test_half_the_weights_is_a_partial_load_only_beside_comfyuis_offload_reserve
     half = left_behind(lambda model: weight_bytes(model) // 2)
     beside = left_behind(lambda model: weight_bytes(model) // 4 + offload_reserve(model))
     assert 0 < beside < len(castable)
-    assert (half == len(castable)) if streams else (0 < half < len(castable))
+    import comfyui_version
+
+    if streams and comfyui_version.__version__ == "0.3.75":  # the H100's ComfyUI
+        assert half == len(castable)
+    else:  # ComfyUI 0.33 reserves the next NUM_STREAMS layers, not 3x the largest: half splits
+        assert 0 < half < len(castable)
 
 
 @pytest.mark.parametrize("partial", [False, True], ids=["full", "partial"])

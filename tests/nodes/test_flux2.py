@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import re
 
 import pytest
 import torch
@@ -154,7 +155,9 @@ def test_training_prediction_is_comfyuis_sampling_call_with_its_text(ft, pack):
     import comfy.model_management
 
     comfy.model_management.load_models_gpu([model])
-    with torch.no_grad():
+    # float64: comfy-kitchen's fused RoPE (ComfyUI 0.33's sampling) has no float64 kernel, so the
+    # reference takes ComfyUI's eager RoPE, the one training uses (no-op on 0.3.75)
+    with torch.no_grad(), comfy_training_mode(pack):
         denoised = model.model.apply_model(sample.target[None], sigma, **kwargs)
     expected = (sample.target[None] - denoised) / sigma
     context = pack.nodes.model_family.text_in(model.model)(sample.context)
@@ -235,3 +238,32 @@ def test_what_does_not_fit_flux2_is_refused_before_sampling(flux2, pack, conditi
     family = r"MultiImageConditioning's model is a chroma model; Kontext Trainer"
     with pytest.raises(ValueError, match=family):
         multi_image(pack, other, conditioning, "offset", image(64, 64))
+
+
+# Tiny models with the detection's tell-tales (comfy/model_detection.py in 0.33): LongCat-Image
+# runs as "flux" with a 3584-wide text input and no pooled vector; FLUX.2 [klein] 4B runs as
+# "flux2" with Qwen3-4B's 7680-wide text input. Everything else is the tiny models' own.
+VARIANTS = {
+    "LongCat-Image": lambda: tiny_flux_patcher(seed=0, context_in_dim=3584, vec_in_dim=None),
+    "FLUX.2 [klein] 4B": lambda: tiny_flux2_patcher(seed=0, context_in_dim=7680),
+}
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_models_that_share_a_familys_image_model_are_refused_by_name(pack, conditioning, name):
+    """MultiImageConditioning (in the executor) and TrainLoRA's first check on the MODEL
+    (`check_model_fits`, before any training) refuse them, naming the model."""
+    from types import SimpleNamespace
+
+    model = VARIANTS[name]()
+    message = rf"is {re.escape(name)}, which ComfyUI runs with its Flux code; Kontext Trainer trains"
+    layout = "index" if "FLUX.2" in name else "offset"
+    with pytest.raises(ValueError, match=message):
+        multi_image(pack, model, conditioning, layout, image(64, 64))
+    model_family = importlib.import_module(f"{pack.__name__}.nodes.model_family")
+    with pytest.raises(ValueError, match=message):
+        model_family.check_model_fits(model, SimpleNamespace(entries=[]), layout)
+
+
+def comfy_training_mode(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.flux_blocks").comfy_training_mode(True)

@@ -35,18 +35,119 @@ def comfy_forward(model, x, refs, context, y, sigma=0.6):
         )
 
 
-def test_out_of_place_blocks_reproduce_comfyui_blocks_exactly(ft, pack):
+def test_the_trainable_blocks_reproduce_comfyui_blocks_exactly(ft, pack):
+    """ComfyUI's own blocks through the block patches and norm pre-hooks: bit-equal outputs."""
     flux_blocks = importlib.import_module(f"{pack.__name__}.nodes.flux_blocks")
     model = tiny_flux_patcher(seed=3)
     patched = model.clone()
-    flux_blocks.install_trainable_blocks(patched, checkpointing=False)
+    remove = flux_blocks.install_trainable_blocks(patched, checkpointing=False)
     gen = torch.Generator().manual_seed(0)
     x, ref = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(2, 16, 6, 8, generator=gen)
     context, y = torch.randn(2, 5, 48, generator=gen), torch.randn(2, 32, generator=gen)
     assert ("double_block", 1) in patched.model_options["transformer_options"]["patches_replace"]["dit"]
-    assert torch.equal(
-        comfy_forward(patched, x, [ref], context, y), comfy_forward(model, x, [ref], context, y)
-    )
+    try:
+        ours = comfy_forward(patched, x, [ref], context, y)
+    finally:
+        remove()
+    assert torch.equal(ours, comfy_forward(model, x, [ref], context, y))
+
+
+def session_gradients(ft, model, samples, checkpointing: bool, copied: bool = False, seed: int = 7):
+    """Loss and LoRA gradients of one step; `copied`: through the pack's former out-of-place
+    copy of ComfyUI 0.3.75's block code (tests/kt_testing/copied_blocks.py) instead."""
+    from kt_testing import copied_blocks
+
+    config = ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", gradient_checkpointing=checkpointing)
+    install = ft.install_trainable_blocks
+    if copied:
+        ft.install_trainable_blocks = lambda *args: (
+            copied_blocks.install_trainable_blocks(*args) or (lambda: None)
+        )
+    try:
+        with ft.flux_lora_session(model, config) as session:
+            randomise_lora(session, seed=seed)
+            loss = _loss(session, samples)
+            return loss.detach(), torch.autograd.grad(loss, session.lora.parameters())
+    finally:
+        ft.install_trainable_blocks = install
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_comfyuis_own_blocks_give_the_former_copys_gradients_bit_for_bit(ft, Sample, checkpointing):
+    """ComfyUI 0.3.75 (the copy's code matches its blocks only): fp32 loss and every LoRA
+    gradient through ComfyUI's own blocks equal the out-of-place copy's exactly."""
+    import comfy.ldm.flux.layers
+
+    if not hasattr(
+        comfy.ldm.flux.layers.DoubleStreamBlock(8, 2, 2.0, operations=comfy.ops.disable_weight_init),
+        "flipped_img_txt",
+    ):
+        pytest.skip("the former copy reads flipped_img_txt, which this ComfyUI's blocks no longer have")
+    samples = tiny_samples(Sample, 2, 4, [(8, 6)])
+    ours = session_gradients(ft, tiny_flux_patcher(seed=6), samples, checkpointing)
+    copy = session_gradients(ft, tiny_flux_patcher(seed=6), samples, checkpointing, copied=True)
+    assert torch.equal(ours[0], copy[0])
+    assert all(torch.equal(a, b) for a, b in zip(ours[1], copy[1], strict=True))
+
+
+def _saved_bytes(ft, model, samples, checkpointing: bool) -> tuple[int, int]:
+    """Bytes autograd keeps for backward over one step (the saved-tensor hook sees what the
+    graph holds after the forward: with non-reentrant checkpointing only block inputs), and
+    how many block forwards ran during the backward (recomputation)."""
+    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
+    kept, in_backward = [], []
+    with ft.flux_lora_session(model, config) as session:
+        blocks = [*session.diffusion_model.double_blocks, *session.diffusion_model.single_blocks]
+        hooks = [
+            b.register_forward_pre_hook(
+                lambda *a: in_backward.append(torch._C._current_graph_task_id() != -1)
+            )
+            for b in blocks
+        ]
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+                loss = _loss(session, samples)
+            loss.backward()
+        finally:
+            for hook in hooks:
+                hook.remove()
+    unique = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in kept if t.device.type != "meta"
+    }
+    return sum(unique.values()), sum(in_backward)
+
+
+def test_checkpointing_keeps_less_and_recomputes_the_blocks(ft, Sample):
+    model = tiny_flux_patcher(seed=6)
+    samples = tiny_samples(Sample, 1, 4, [(16, 16)], target=(16, 16))
+    plain, plain_recomputed = _saved_bytes(ft, model, samples, checkpointing=False)
+    checkpointed, recomputed = _saved_bytes(ft, model, samples, checkpointing=True)
+    blocks = len(model.model.diffusion_model.double_blocks) + len(model.model.diffusion_model.single_blocks)
+    assert plain_recomputed == 0 and recomputed == blocks  # every block ran again in backward
+    assert checkpointed < plain / 2, (checkpointed, plain)
+
+
+def test_an_in_place_change_comfyui_might_add_makes_the_run_raise(ft, Sample):
+    """A later ComfyUI that modifies, in place, a tensor autograd saved (here: the input of the
+    attention's qkv layer, which its LoRA saved) must stop the run, not train on wrong
+    gradients: autograd's version check is still on. (Not under checkpointing: there autograd
+    hands saved tensors to checkpoint's hooks and skips the check; a step without
+    checkpointing is where such a change shows.)"""
+    model = tiny_flux_patcher(seed=6)
+    samples = tiny_samples(Sample, 1, 4, [(8, 6)])
+    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=False)
+    with ft.flux_lora_session(model, config) as session:
+        qkv = session.diffusion_model.double_blocks[0].img_attn.qkv  # LoRA: it saves its input
+
+        def scale_in_place(module, args, out):
+            args[0].mul_(1.0)  # the output stays as computed
+
+        hook = qkv.register_forward_hook(scale_in_place)
+        try:
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                _loss(session, samples).backward()
+        finally:
+            hook.remove()
 
 
 def _loss(session, samples):
@@ -213,7 +314,9 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
     import comfy.model_management
 
     comfy.model_management.load_models_gpu([model])
-    with torch.no_grad():
+    # float64: comfy-kitchen's fused RoPE (ComfyUI 0.33's sampling) has no float64 kernel, so the
+    # reference takes ComfyUI's eager RoPE, the one training uses (no-op on 0.3.75)
+    with torch.no_grad(), comfy_training_mode(pack):
         denoised = model.model.apply_model(x, sigma, **kwargs)
     expected = (x - denoised) / sigma
     with ft.flux_lora_session(model, config) as session, torch.no_grad():
@@ -226,3 +329,7 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
     # apply_model casts the model output to float32 before forming `denoised`: fp32 tolerance.
     torch.testing.assert_close(got[:, : target_tokens.shape[1]], target_tokens, rtol=1e-5, atol=1e-6)
     assert (different[:, : target_tokens.shape[1]] - target_tokens).abs().max() > 1e-4  # guidance matters
+
+
+def comfy_training_mode(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.flux_blocks").comfy_training_mode(True)

@@ -23,6 +23,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import re
 from pathlib import Path
 
 import pytest
@@ -137,6 +138,7 @@ def flux_base(comfy_runtime):
     targets = target_module_names(linear, TrainConfig().targets)
     state = dict(flux.state_dict())
     shapes = {key: value.shape for key, value in state.items()}
+    state = bfl_names(state)
     with torch.device("meta"):  # no random init of 530M weights: every one is loaded below
         transformer = FluxTransformer2DModel(**DIFFUSERS_CONFIG)
     transformer = transformer.to_empty(device="cpu")
@@ -188,6 +190,12 @@ def lora_layers(transformer) -> dict[str, torch.nn.Module]:
     return {name: module for name, module in transformer.named_modules() if hasattr(module, "lora_A")}
 
 
+def bfl_names(state: dict) -> dict:
+    """A BFL checkpoint's names, which diffusers' converter reads: ComfyUI 0.33's QK-norms hold
+    `weight` where the checkpoint (and 0.3.75's module) says `scale`."""
+    return {re.sub(r"(query_norm|key_norm)\.weight$", r"\1.scale", k): v for k, v in state.items()}
+
+
 def diffusers_layout(flux_base: FluxBase, deltas: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`deltas` (Flux layer -> weight change; consumed) as the change of every tensor of
     diffusers' model, mapped by diffusers' own checkpoint converter: zero where no delta."""
@@ -200,7 +208,7 @@ def diffusers_layout(flux_base: FluxBase, deltas: dict[str, torch.Tensor]) -> di
     }
     assert not deltas, f"deltas for layers the model lacks: {sorted(deltas)}"
     state = {key: zero.expand(flux_base.shapes[key]) if v is None else v for key, v in state.items()}
-    return convert_flux_transformer_checkpoint_to_diffusers(state)
+    return convert_flux_transformer_checkpoint_to_diffusers(bfl_names(state))
 
 
 def largest(tensor: torch.Tensor) -> float:

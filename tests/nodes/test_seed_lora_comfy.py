@@ -70,6 +70,10 @@ def test_kohya_file_matches_the_stock_loader(comfy_runtime, tmp_path):
     assert_same_deltas(ours, stock_deltas(patcher, lora, shapes))
 
 
+# FLUX.2's diffusers names for layers FLUX.1's names already cover (ComfyUI 0.33's key map)
+FLUX2_ALIASES = ("attn.to_qkv_mlp_proj.weight", "attn.to_out.weight", "linear_in.weight", "linear_out.weight")
+
+
 def test_diffusers_file_matches_the_stock_loader(comfy_runtime, tmp_path):
     import comfy.utils
 
@@ -81,8 +85,8 @@ def test_diffusers_file_matches_the_stock_loader(comfy_runtime, tmp_path):
     unet_config = patcher.model.model_config.unet_config
     lora = {}
     for i, (key, target) in enumerate(sorted(comfy.utils.flux_to_diffusers(unet_config).items())):
-        if not key.endswith(".weight"):
-            continue
+        if not key.endswith(".weight") or key.endswith(FLUX2_ALIASES):
+            continue  # ComfyUI 0.33 also maps FLUX.2's diffusers names: one name per layer here
         # target: "<layer>.weight", or (that, (dim, offset, size)) for a slice, or (that, None, fn)
         weight_key, slice_ = (target, None) if isinstance(target, str) else (target[0], target[1])
         name = weight_key[: -len(".weight")]

@@ -98,5 +98,6 @@ def test_the_estimators_weight_count_is_the_models(comfy_runtime, family):
     counted = shape.double_blocks * shape.double_block_weights()
     counted += shape.single_blocks * shape.single_block_weights() + shape.other_weights()
     # QK-norm scales are parameters too (2 per attention, head-dim long); no Linear of the shape
-    norms = sum(p.numel() for name, p in flux.named_parameters() if name.endswith(".scale"))
+    # (named `scale` in ComfyUI 0.3.75, `weight` in 0.33)
+    norms = sum(p.numel() for name, p in flux.named_parameters() if "_norm." in name)
     assert counted + norms == sum(p.numel() for p in flux.parameters())

@@ -2,9 +2,18 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
-from trainer_core.model_family import FLUX1, FLUX2, check_family_layout, family_named
+from trainer_core.model_family import (
+    FLUX1,
+    FLUX2,
+    check_family_layout,
+    family_named,
+    refuse_variant,
+    unsupported_variant,
+)
 
 
 def test_base_model_names_follow_the_family_and_the_references():
@@ -30,3 +39,28 @@ def test_dreamomni2_is_a_flux1_layout():
         assert check_family_layout(FLUX2, layout) == layout
     with pytest.raises(ValueError, match=r"'dreamomni2' does not fit a FLUX\.2 model.*index is its default"):
         check_family_layout(FLUX2, "dreamomni2")
+
+
+# What ComfyUI 0.33's detection gives each model (comfy/model_detection.py): image_model,
+# context_in_dim, vec_in_dim, yak_mlp, txt_ids_dims.
+DETECTED = {
+    "FLUX.1 dev / Kontext": ("flux", 4096, 768, False, []),
+    "FLUX.2 [dev]": ("flux2", 15360, None, False, [3]),
+    "LongCat-Image": ("flux", 3584, None, False, [1, 2]),
+    "Ovis-Image": ("flux", 2048, None, True, [1, 2]),
+    "FLUX.2 [klein] 4B": ("flux2", 7680, None, False, [3]),
+    "FLUX.2 [klein] 9B": ("flux2", 12288, None, False, [3]),
+}
+
+
+@pytest.mark.parametrize("name", DETECTED)
+def test_models_sharing_a_familys_image_model_are_named_and_refused(name):
+    image_model, context, vec, yak, txt_ids = DETECTED[name]
+    variant = unsupported_variant(image_model, context, vec, yak_mlp=yak, txt_ids_dims=txt_ids)
+    if name.startswith(("FLUX.1", "FLUX.2 [dev]")):
+        assert variant is None
+        refuse_variant(variant)  # nothing to refuse
+        return
+    assert variant == name
+    with pytest.raises(ValueError, match=rf"this MODEL is {re.escape(name)}, which ComfyUI runs"):
+        refuse_variant(variant)

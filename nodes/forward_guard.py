@@ -1,0 +1,90 @@
+"""A guard for the next ComfyUI release: before a run's first step, the training path and
+ComfyUI's own inference forward compute the user's model on one small input, and a difference
+beyond rounding stops the run before any step.
+
+The training path is ComfyUI's forward with the pack's block patches (`flux_blocks`), norm
+pre-hooks and ComfyUI's training mode; the inference path is the same forward without the
+block patches and with the training mode off, as a sampler runs it. Both see the same weights,
+LoRA layers included, so they can differ only where a ComfyUI change breaks what the patches
+rely on (a block argument, the order of its outputs, a new in-place step).
+
+Tolerance (relative RMS difference of the outputs): ComfyUI 0.33 samples with comfy-kitchen's
+fused RoPE and trains with its eager RoPE; both rotate q and k in float32, so the two outputs
+differ by float32 rounding passed through the blocks: about 1e-6 relative on the CPU here.
+`TOLERANCE` allows 1e-4 for float32 / float64 compute; half-precision compute (bf16, fp16, also
+fp8 weights computed in bf16) rounds every activation to 8 / 11 bits, so the two op orders can
+differ by a few 1e-3, and 3e-2 is allowed. A broken patch differs by the size of a block's
+contribution: order 1e-1 and more.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TOLERANCE = {torch.float32: 1e-4, torch.float64: 1e-4}
+HALF_TOLERANCE = 3e-2
+
+
+def comfyui_version() -> str:
+    try:
+        import comfyui_version as version
+
+        return version.__version__
+    except ImportError:
+        return "unknown"
+
+
+def _without_our_blocks(options: dict, ours: tuple[type, ...]) -> dict:
+    replace = dict(options.get("patches_replace", {}))
+    replace["dit"] = {k: v for k, v in replace.get("dit", {}).items() if not isinstance(v, ours)}
+    return {**options, "patches_replace": replace}
+
+
+def probe_inputs(diffusion_model, device, dtype) -> dict:
+    """A 2 x 2 token target with 4 text tokens, seeded, in the model's compute dtype."""
+    params = diffusion_model.params
+    gen = torch.Generator().manual_seed(0)
+    side = 2 * params.patch_size
+    inputs = {
+        "x": torch.randn(1, params.in_channels, side, side, generator=gen),
+        "context": torch.randn(1, 4, params.context_in_dim, generator=gen),
+        "y": torch.randn(1, params.vec_in_dim, generator=gen) if params.vec_in_dim else None,
+        "guidance": torch.ones(1) if params.guidance_embed else None,
+    }
+    inputs = {k: v.to(device, dtype) if v is not None else None for k, v in inputs.items()}
+    inputs["timesteps"] = torch.full((1,), 0.5, device=device)
+    return inputs
+
+
+def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    ours, theirs = ours.double(), theirs.double()
+    return float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
+
+
+def check_training_forward(patcher, transformer_options: dict, dtype: torch.dtype) -> float:
+    """Raise (before any step) if the training path's output differs from ComfyUI's forward
+    beyond `TOLERANCE`; returns the relative difference."""
+    from .flux_blocks import DoubleBlockReplacement, SingleBlockReplacement, comfy_training_mode
+
+    flux = patcher.model.diffusion_model
+    probe = probe_inputs(flux, patcher.load_device, dtype)
+    x, t = probe.pop("x"), probe.pop("timesteps")
+    theirs_options = _without_our_blocks(
+        transformer_options, (DoubleBlockReplacement, SingleBlockReplacement)
+    )
+    with torch.no_grad():
+        with comfy_training_mode(True):
+            ours = flux(x, t, transformer_options=dict(transformer_options), **probe)
+        with comfy_training_mode(False):
+            theirs = flux(x, t, transformer_options=theirs_options, **probe)
+    difference = relative_difference(ours, theirs)
+    allowed = TOLERANCE.get(dtype, HALF_TOLERANCE)
+    if not difference <= allowed:  # also NaN
+        raise RuntimeError(
+            f"Kontext Trainer cannot train on this ComfyUI ({comfyui_version()}): for this model "
+            f"the training path and ComfyUI's own Flux forward give different outputs "
+            f"(relative difference {difference:.1e}, allowed {allowed:.0e}), so a ComfyUI update "
+            "changed something the trainer relies on. Nothing was trained. Please report it "
+            "with your ComfyUI version."
+        )
+    return difference

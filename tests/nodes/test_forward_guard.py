@@ -1,0 +1,74 @@
+"""The guard before a run's first step (nodes/forward_guard.py): the training path and ComfyUI's
+own forward agree on the user's model within the stated tolerance, and a patch that breaks
+(what a ComfyUI release could do to it) stops the run before any step with one message
+naming the ComfyUI version."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kt_testing.probes import tiny_samples
+from kt_testing.tiny_models import TINY_FAMILIES
+
+
+@pytest.fixture(scope="module")
+def mods(pack):
+    names = {"ft": "nodes.flux_training", "guard": "nodes.forward_guard", "blocks": "nodes.flux_blocks"}
+    return type("Mods", (), {k: importlib.import_module(f"{pack.__name__}.{v}") for k, v in names.items()})
+
+
+@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_paths_agree_within_the_tolerance(mods, family, dtype):
+    """Measured here: what the guard sees on a healthy model, well inside its tolerance (on
+    ComfyUI 0.3.75 both paths share every kernel: bit-equal)."""
+    import comfyui_version
+
+    patcher = TINY_FAMILIES[family].patcher(seed=4, dtype=dtype)
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)
+    seen = []
+    real = mods.guard.check_training_forward
+
+    def recording(*args):
+        seen.append(real(*args))
+        return seen[-1]
+
+    mods.ft.check_training_forward = recording
+    try:
+        with mods.ft.flux_lora_session(patcher, config):
+            pass
+    finally:
+        mods.ft.check_training_forward = real
+    allowed = mods.guard.TOLERANCE.get(dtype, mods.guard.HALF_TOLERANCE)
+    print(f"\n{family} {dtype} on ComfyUI {comfyui_version.__version__}: relative difference {seen[0]:.2e}")
+    assert seen[0] <= allowed / 10
+    if comfyui_version.__version__ == "0.3.75":
+        assert seen[0] == 0.0
+
+
+def test_a_broken_patch_stops_the_run_before_any_step(mods, pack, monkeypatch):
+    """A double-block patch whose output drifts by 1% (as a changed block argument would make
+    it) is refused before the first step; the message names the ComfyUI version."""
+    import comfyui_version
+
+    loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
+    flow_step = importlib.import_module(f"{pack.__name__}.trainer_core.flow_step")
+    real_call = mods.blocks.DoubleBlockReplacement.__call__
+
+    def drifting(self, args, extra):
+        out = real_call(self, args, extra)
+        return {**out, "img": out["img"] * 1.01}
+
+    monkeypatch.setattr(mods.blocks.DoubleBlockReplacement, "__call__", drifting)
+    patcher = TINY_FAMILIES["flux"].patcher(seed=4)
+    samples = tiny_samples(flow_step.Sample, 1, 2, [(8, 8)])
+    config = mods.ft.TrainConfig(steps=2, rank=2, alpha=2.0, seed=1)
+    steps = []
+    message = rf"cannot train on this ComfyUI \({comfyui_version.__version__}\): .* Nothing was trained"
+    with pytest.raises(RuntimeError, match=message):
+        with mods.ft.flux_lora_session(patcher, config) as session:
+            loop.train(config, session.lora.parameters(), lambda i: samples, session.loss, steps.append)
+    assert steps == []
