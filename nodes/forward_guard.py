@@ -64,6 +64,7 @@ def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
 def check_training_forward(patcher, transformer_options: dict, dtype: torch.dtype) -> float:
     """Raise (before any step) if the training path's output differs from ComfyUI's forward
     beyond `TOLERANCE`; returns the relative difference."""
+    from ..trainer_core.validation import evaluating
     from .flux_blocks import DoubleBlockReplacement, SingleBlockReplacement, comfy_training_mode
 
     flux = patcher.model.diffusion_model
@@ -72,7 +73,7 @@ def check_training_forward(patcher, transformer_options: dict, dtype: torch.dtyp
     theirs_options = _without_our_blocks(
         transformer_options, (DoubleBlockReplacement, SingleBlockReplacement)
     )
-    with torch.no_grad():
+    with evaluating(flux):  # no LoRA dropout (peft makes its dropout modules in train mode)
         with comfy_training_mode(True):
             ours = flux(x, t, transformer_options=dict(transformer_options), **probe)
         with comfy_training_mode(False):

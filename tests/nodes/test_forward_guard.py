@@ -72,3 +72,18 @@ def test_a_broken_patch_stops_the_run_before_any_step(mods, pack, monkeypatch):
         with mods.ft.flux_lora_session(patcher, config) as session:
             loop.train(config, session.lora.parameters(), lambda i: samples, session.loss, steps.append)
     assert steps == []
+
+
+def test_a_resumed_lora_with_dropout_passes_the_guard(mods):
+    """A run that starts from a trained LoRA (resume, start_from_lora) with LoRA dropout on: the
+    guard compares the two paths in eval mode (peft creates its dropout modules in training
+    mode; with dropout the two forwards would differ by chance and the run would be refused)."""
+    from kt_testing.gradients import randomise_lora
+
+    patcher = TINY_FAMILIES["flux"].patcher(seed=4)
+    with mods.ft.flux_lora_session(patcher, mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)) as session:
+        randomise_lora(session, seed=3)
+        trained = session.lora.modules()
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, dropout=0.5, seed=1)
+    with mods.ft.flux_lora_session(patcher, config, initial=trained) as session:
+        assert any(m.training for m in session.diffusion_model.modules())  # dropout is on again
