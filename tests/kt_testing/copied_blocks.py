@@ -1,27 +1,15 @@
 """The pack's former out-of-place copy of ComfyUI 0.3.75's Flux block forwards, kept only as a
 test reference: `tests/nodes/test_flux_training.py` proves that training ComfyUI's own blocks
-(`nodes/flux_blocks.py`) gives exactly its gradients on 0.3.75. It reads `flipped_img_txt`,
-which ComfyUI 0.33's blocks no longer have (why the pack no longer copies model code).
-
-Original description:
-Flux block forwards that autograd can differentiate, installed as ModelPatcher patches.
-
-ComfyUI's `DoubleStreamBlock` / `SingleStreamBlock` add their residuals in place
-(`img += ...`). The layer norm before that add saved `img` for backward, so a plain backward
-fails ("modified by an inplace operation") and checkpointed backward silently computes wrong
-gradients (measured in COMFYUI_NOTES). The forwards below run the block's own submodules and
-ComfyUI's own `attention` in the same order, with every residual added out of place.
-
-They are registered per block with `ModelPatcher.set_model_patch_replace(fn, "dit",
-"double_block" | "single_block", i)` on a clone (ComfyUI's patch mechanism, no monkeypatching):
-`forward_orig` then calls them instead of the block. Each can run under
-`torch.utils.checkpoint` so only block inputs are kept between forward and backward.
+(`nodes/flux_blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
+block's own submodules and ComfyUI's own `attention` in the block's order, with every residual
+added out of place. They read `flipped_img_txt`, which ComfyUI 0.33's blocks no longer have:
+the reason the pack no longer copies model code. `install_copied_blocks` runs them inside the
+pack's own block patches.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 
 
 def _modulated(norm, x, mod):
@@ -91,68 +79,36 @@ def single_block_forward(block, x, vec, pe, attn_mask, transformer_options):
     return x
 
 
-def _run(function, checkpointing, *args):
-    if checkpointing and torch.is_grad_enabled():
-        return torch.utils.checkpoint.checkpoint(function, *args, use_reentrant=False)
-    return function(*args)
+class _CopiedDouble:
+    """Stands in for a double block inside the pack's own block patch: runs the copy."""
+
+    def __init__(self, block):
+        self.block = block
+
+    def __call__(self, img, txt, vec, pe, attn_mask=None, transformer_options=None, **_):
+        return double_block_forward(self.block, img, txt, vec, pe, attn_mask, transformer_options or {})
 
 
-class _Swapped:
-    """Calls the block swapper (if any) around a block's forward: inside the checkpointed
-    function, so the recomputation in backward is scheduled too."""
+class _CopiedSingle:
+    def __init__(self, block):
+        self.block = block
 
-    def __init__(self, block, checkpointing: bool, index: int, swapper=None):
-        self.block, self.checkpointing, self.index, self.swapper = block, checkpointing, index, swapper
-
-    def _around(self, forward, *args):
-        if self.swapper is None:
-            return forward(*args)
-        self.swapper.before(self.index)
-        try:
-            return forward(*args)
-        finally:
-            self.swapper.after(self.index)
+    def __call__(self, x, vec, pe, attn_mask=None, transformer_options=None, **_):
+        return single_block_forward(self.block, x, vec, pe, attn_mask, transformer_options or {})
 
 
-class DoubleBlockReplacement(_Swapped):
-    """A `patches_replace["dit"][("double_block", i)]` entry running `double_block_forward`."""
-
-    def __call__(self, args, extra):
-        # forward_orig keeps writing block_index into its options: freeze a copy for recompute.
-        options = dict(args.get("transformer_options") or {})
-
-        def run(img, txt, vec, pe, attn_mask):
-            return self._around(double_block_forward, self.block, img, txt, vec, pe, attn_mask, options)
-
-        img, txt = _run(
-            run, self.checkpointing, args["img"], args["txt"], args["vec"], args["pe"], args.get("attn_mask")
-        )
-        return {"img": img, "txt": txt}
-
-
-class SingleBlockReplacement(_Swapped):
-    """A `patches_replace["dit"][("single_block", i)]` entry running `single_block_forward`."""
-
-    def __call__(self, args, extra):
-        options = dict(args.get("transformer_options") or {})
-
-        def run(img, vec, pe, attn_mask):
-            return self._around(single_block_forward, self.block, img, vec, pe, attn_mask, options)
-
-        return {
-            "img": _run(run, self.checkpointing, args["img"], args["vec"], args["pe"], args.get("attn_mask"))
-        }
-
-
-def install_trainable_blocks(patcher, checkpointing: bool, swapper=None) -> None:
-    """Register the out-of-place forwards for every block of `patcher` (a clone; the patch
-    lives in its model_options only). Blocks are numbered in execution order (double blocks,
-    then single blocks) for the optional `trainer_core.block_swap.BlockSwapper`."""
+def install_copied_blocks(flux_blocks, patcher, checkpointing: bool, swapper=None):
+    """The pack's block patches (`flux_blocks`: its module as ComfyUI loaded the pack) running
+    this copy instead of ComfyUI's blocks, without the norm pre-hooks the copy does not need;
+    returns a no-op remover, like `install_trainable_blocks`."""
     diffusion_model = patcher.model.diffusion_model
     doubles = len(diffusion_model.double_blocks)
     for i, block in enumerate(diffusion_model.double_blocks):
-        replacement = DoubleBlockReplacement(block, checkpointing, i, swapper)
+        replacement = flux_blocks.DoubleBlockReplacement(_CopiedDouble(block), checkpointing, i, swapper)
         patcher.set_model_patch_replace(replacement, "dit", "double_block", i)
     for i, block in enumerate(diffusion_model.single_blocks):
-        replacement = SingleBlockReplacement(block, checkpointing, doubles + i, swapper)
+        replacement = flux_blocks.SingleBlockReplacement(
+            _CopiedSingle(block), checkpointing, doubles + i, swapper
+        )
         patcher.set_model_patch_replace(replacement, "dit", "single_block", i)
+    return lambda: None

@@ -3,6 +3,7 @@ differences, the two forward paths, and reproducibility."""
 
 from __future__ import annotations
 
+import functools
 import importlib
 
 import pytest
@@ -60,9 +61,8 @@ def session_gradients(ft, model, samples, checkpointing: bool, copied: bool = Fa
     config = ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", gradient_checkpointing=checkpointing)
     install = ft.install_trainable_blocks
     if copied:
-        ft.install_trainable_blocks = lambda *args: (
-            copied_blocks.install_trainable_blocks(*args) or (lambda: None)
-        )
+        flux_blocks = importlib.import_module(ft.__name__.rsplit(".", 1)[0] + ".flux_blocks")
+        ft.install_trainable_blocks = functools.partial(copied_blocks.install_copied_blocks, flux_blocks)
     try:
         with ft.flux_lora_session(model, config) as session:
             randomise_lora(session, seed=seed)
