@@ -123,6 +123,7 @@ def test_checkpointing_keeps_less_and_recomputes_the_blocks(ft, Sample):
     plain, plain_recomputed = _saved_bytes(ft, model, samples, checkpointing=False)
     checkpointed, recomputed = _saved_bytes(ft, model, samples, checkpointing=True)
     blocks = len(model.model.diffusion_model.double_blocks) + len(model.model.diffusion_model.single_blocks)
+    print(f"\nsaved for backward: {plain / 2**20:.2f} MiB plain, {checkpointed / 2**20:.2f} MiB checkpointed")
     assert plain_recomputed == 0 and recomputed == blocks  # every block ran again in backward
     assert checkpointed < plain / 2, (checkpointed, plain)
 
