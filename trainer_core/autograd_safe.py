@@ -33,11 +33,11 @@ def make_autograd_safe_(module: torch.nn.Module) -> int:
     """Replace the module's autograd-unsafe tensors (`autograd_unsafe`) by normal copies, in
     place; returns how many.
 
-    Each inference parameter or buffer is swapped for a new tensor with the same name, value
+    Each unsafe parameter or buffer is swapped for a new tensor with the same name, value
     (bit-equal), dtype, device and `requires_grad` (a Parameter stays a Parameter), as
     ComfyUI's own weight patching swaps parameters; other workflows see bit-identical
-    outputs. Safe tensors keep their identity, and a tensor shared
-    by several modules (tied weights) is replaced by one copy, so they stay tied. Costs one
+    outputs. Safe tensors keep their identity, and a tensor shared by several modules (tied
+    weights) is replaced by one copy, so they stay tied. Costs one
     tensor's copy at a time. Call it with inference mode off: a copy made inside is again an
     inference tensor."""
     replaced: dict[int, torch.Tensor] = {}
