@@ -53,13 +53,13 @@ from ..trainer_core.lora_adapters import AttachedLora, attach_lora
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
-from ..trainer_core.position_ids import TokenGrid
+from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .comfy_loading import as_the_executor_loads, held_for_training
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
-from .forward_guard import check_training_forward
+from .forward_guard import check_training_backward, check_training_forward
 from .fp8_scaled import fp8_scaled_weights
-from .model_family import token_grid
+from .model_family import check_layout_fits, token_grid
 from .reference_ids import forward_token_batch, with_reference_ids
 
 
@@ -110,6 +110,8 @@ class FluxLoraSession:
         self, batch: TokenBatch, sigma: torch.Tensor, context: torch.Tensor, pooled: torch.Tensor
     ) -> torch.Tensor:
         """(B, L, D) velocity for every token of `batch` (non-target rows are zero or junk)."""
+        if self.config.layout in TIMESTEP_ZERO_LAYOUTS and batch.tokens.shape[0] > 1:
+            return self._predict_one_by_one(batch, sigma, context, pooled)
         base_model = self.patcher.model
         dtype, device = _compute_dtype(base_model), self.patcher.load_device
         tokens = batch.tokens.to(device, dtype)
@@ -148,6 +150,18 @@ class FluxLoraSession:
         packed = pack_latent(out, batch.grid.patch_size)
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
+
+    def _predict_one_by_one(self, batch: TokenBatch, sigma, context, pooled) -> torch.Tensor:
+        """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
+        timestep batch for them, which a batch of several meets with one guidance value per
+        sample and fails, and it takes one reference range for the whole batch, which padded
+        samples do not share. Each sample gets exactly ComfyUI's own call."""
+        rows = [
+            self.predict(batch.sample(i), sigma[i : i + 1], context[i : i + 1], pooled[i : i + 1])
+            for i in range(batch.tokens.shape[0])
+        ]
+        length = batch.tokens.shape[1]
+        return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
     def save(self, path, metadata: dict[str, str], modules: Mapping[str, LoraModule] | None = None) -> Path:
         """Write the current LoRA (or `modules`, already taken from it) atomically to `path`: kohya
@@ -241,6 +255,7 @@ def flux_lora_session(
         contextlib.ExitStack() as undo,
     ):
         torch.manual_seed(config.seed)
+        check_layout_fits(model, config.layout)  # also here: the headless path, tests
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
             undo.enter_context(fp8_scaled_weights(clone))
@@ -257,9 +272,23 @@ def flux_lora_session(
         # before any step: the training path computes what ComfyUI's own forward computes
         remove_hooks = install_trainable_blocks(clone, config.gradient_checkpointing)
         try:
-            check_training_forward(clone, sampling_options(clone), _compute_dtype(clone.model))
+            check_training_forward(
+                clone, sampling_options(clone), _compute_dtype(clone.model), config.layout
+            )
         finally:
             remove_hooks()
+        if config.gradient_checkpointing:  # there autograd's in-place check does not run
+            remove_hooks = install_trainable_blocks(clone, checkpointing=False)
+            try:
+                check_training_backward(
+                    clone,
+                    sampling_options(clone),
+                    _compute_dtype(clone.model),
+                    lora.parameters(),
+                    config.layout,
+                )
+            finally:
+                remove_hooks()
         swapper = None
         if config.blocks_to_swap:
             swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)

@@ -15,6 +15,16 @@ differ by float32 rounding passed through the blocks: about 1e-6 relative on the
 fp8 weights computed in bf16) rounds every activation to 8 / 11 bits, so the two op orders can
 differ by a few 1e-3, and 3e-2 is allowed. A broken patch differs by the size of a block's
 contribution: order 1e-1 and more.
+
+The probe carries one reference in the run's layout, so the reference path (ids, and 0.33's
+timestep-zero modulation) is compared too.
+
+With gradient checkpointing, autograd hands the tensors a block saves to checkpoint's hooks
+and its version check never runs: a ComfyUI release that modified a saved tensor in place
+would train on wrong gradients, silently. `check_training_backward` therefore runs one
+backward of the probe through the blocks without checkpointing, where autograd checks every
+saved tensor, and turns "modified by an inplace operation" into a message naming the
+ComfyUI version, before any step.
 """
 
 from __future__ import annotations
@@ -34,14 +44,19 @@ def comfyui_version() -> str:
         return "unknown"
 
 
+def _cannot_train() -> str:
+    return f"Kontext Trainer cannot train on this ComfyUI ({comfyui_version()})"
+
+
 def _without_our_blocks(options: dict, ours: tuple[type, ...]) -> dict:
     replace = dict(options.get("patches_replace", {}))
     replace["dit"] = {k: v for k, v in replace.get("dit", {}).items() if not isinstance(v, ours)}
     return {**options, "patches_replace": replace}
 
 
-def probe_inputs(diffusion_model, device, dtype) -> dict:
-    """A 2 x 2 token target with 4 text tokens, seeded, in the model's compute dtype."""
+def probe_inputs(diffusion_model, device, dtype, layout: str | None = None) -> dict:
+    """A 2 x 2 token target with 4 text tokens, seeded, in the model's compute dtype; with a
+    `layout`, also one 2 x 2 token reference in that layout."""
     params = diffusion_model.params
     gen = torch.Generator().manual_seed(0)
     side = 2 * params.patch_size
@@ -53,6 +68,10 @@ def probe_inputs(diffusion_model, device, dtype) -> dict:
     }
     inputs = {k: v.to(device, dtype) if v is not None else None for k, v in inputs.items()}
     inputs["timesteps"] = torch.full((1,), 0.5, device=device)
+    if layout is not None:
+        reference = torch.randn(1, params.in_channels, side, side, generator=gen)
+        inputs["ref_latents"] = [reference.to(device, dtype)]
+        inputs["ref_latents_method"] = layout
     return inputs
 
 
@@ -61,35 +80,75 @@ def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
-def check_training_forward(patcher, transformer_options: dict, dtype: torch.dtype) -> float:
+def check_training_forward(
+    patcher, transformer_options: dict, dtype: torch.dtype, layout: str | None = None
+) -> float:
     """Raise (before any step) if the training path's output differs from ComfyUI's forward
-    beyond `TOLERANCE`; returns the relative difference."""
+    beyond `TOLERANCE`; returns the relative difference. With a `layout`, the probe has a
+    reference in that layout (the patcher must carry `reference_ids`' wrapper)."""
     from ..trainer_core.validation import evaluating
     from .flux_blocks import DoubleBlockReplacement, SingleBlockReplacement, comfy_training_mode
 
     flux = patcher.model.diffusion_model
-    probe = probe_inputs(flux, patcher.load_device, dtype)
+    probe = probe_inputs(flux, patcher.load_device, dtype, layout)
     x, t = probe.pop("x"), probe.pop("timesteps")
     theirs_options = _without_our_blocks(
         transformer_options, (DoubleBlockReplacement, SingleBlockReplacement)
     )
     with evaluating(flux):  # no LoRA dropout (peft makes its dropout modules in train mode)
-        with comfy_training_mode(True):
-            ours = flux(x, t, transformer_options=dict(transformer_options), **probe)
         # sampling's RoPE (comfy-kitchen's fused op on 0.33), which has no float64 kernel: a
         # float64 model (tests) is compared with the eager RoPE on both sides
         with comfy_training_mode(dtype == torch.float64):
             theirs = flux(x, t, transformer_options=theirs_options, **probe)
+        with comfy_training_mode(True):
+            try:
+                ours = flux(x, t, transformer_options=dict(transformer_options), **probe)
+            except torch.OutOfMemoryError:
+                raise
+            except Exception as error:  # ComfyUI's own forward ran: the patches broke
+                raise RuntimeError(
+                    f"{_cannot_train()}: for this model ComfyUI's own Flux forward runs but the "
+                    f"training path fails ({type(error).__name__}: {str(error).splitlines()[0]}), "
+                    "so a ComfyUI update changed something the trainer relies on. Nothing was "
+                    "trained. Please report it with your ComfyUI version."
+                ) from error
     if ours.device.type == "meta":  # a device without values (device-discipline tests)
         return 0.0
     difference = relative_difference(ours, theirs)
     allowed = TOLERANCE.get(dtype, HALF_TOLERANCE)
     if not difference <= allowed:  # also NaN
         raise RuntimeError(
-            f"Kontext Trainer cannot train on this ComfyUI ({comfyui_version()}): for this model "
-            f"the training path and ComfyUI's own Flux forward give different outputs "
-            f"(relative difference {difference:.1e}, allowed {allowed:.0e}), so a ComfyUI update "
-            "changed something the trainer relies on. Nothing was trained. Please report it "
-            "with your ComfyUI version."
+            f"{_cannot_train()}: for this model the training path and ComfyUI's own Flux "
+            f"forward give different outputs (relative difference {difference:.1e}, allowed "
+            f"{allowed:.0e}), so a ComfyUI update changed something the trainer relies on. "
+            "Nothing was trained. Please report it with your ComfyUI version."
         )
     return difference
+
+
+def check_training_backward(
+    patcher, transformer_options: dict, dtype: torch.dtype, params, layout: str | None = None
+) -> None:
+    """Raise (before any step) if a backward through the training path (installed without
+    checkpointing) trips autograd's in-place check."""
+    from ..trainer_core.validation import evaluating
+    from .flux_blocks import comfy_training_mode
+
+    flux = patcher.model.diffusion_model
+    probe = probe_inputs(flux, patcher.load_device, dtype, layout)
+    x, t = probe.pop("x"), probe.pop("timesteps")
+    with evaluating(flux), torch.enable_grad(), comfy_training_mode(True):  # eval: no dropout
+        out = flux(x, t, transformer_options=dict(transformer_options), **probe)
+        if out.device.type == "meta":  # no values to run a backward on
+            return
+        try:
+            torch.autograd.grad(out.float().square().mean(), list(params), allow_unused=True)
+        except RuntimeError as error:
+            if "modified by an inplace operation" not in str(error):
+                raise
+            raise RuntimeError(
+                f"{_cannot_train()}: a step of its Flux forward modifies, in place, a tensor "
+                "the backward needs, so gradients would be wrong (with gradient checkpointing, "
+                "silently). Nothing was trained. "
+                f"Please report it with your ComfyUI version. ({str(error).splitlines()[0]})"
+            ) from error

@@ -9,6 +9,7 @@ sees exactly the text inference sees.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -20,7 +21,7 @@ from ..trainer_core.model_family import (
     refuse_variant,
     unsupported_variant,
 )
-from ..trainer_core.position_ids import TokenGrid
+from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 
 
 def image_model_of(model) -> str | None:
@@ -46,6 +47,29 @@ def flux_family(model, what: str = "this MODEL") -> FluxFamily:
     return family
 
 
+def comfy_runs_timestep_zero(diffusion_model) -> bool:
+    """True where this ComfyUI's Flux can feed the references at timestep 0 (0.33 and later:
+    `forward_orig` takes `timestep_zero_index`)."""
+    forward_orig = getattr(type(diffusion_model), "forward_orig", None)
+    return forward_orig is not None and "timestep_zero_index" in inspect.signature(forward_orig).parameters
+
+
+def check_layout_fits(model, layout: str, what: str = "this MODEL") -> FluxFamily:
+    """The MODEL's family, after checking that the layout fits it and that this ComfyUI runs it
+    (an older ComfyUI would silently take an unknown method name for `offset`)."""
+    family = flux_family(model, what)
+    check_family_layout(family, layout)
+    if layout in TIMESTEP_ZERO_LAYOUTS and not comfy_runs_timestep_zero(model.model.diffusion_model):
+        from .forward_guard import comfyui_version
+
+        raise ValueError(
+            f"layout {layout!r} needs ComfyUI 0.33 or newer (its Flux feeds the references at "
+            f"timestep 0); this ComfyUI is {comfyui_version()}. Update ComfyUI, or choose "
+            f"{family.layouts[0]}"
+        )
+    return family
+
+
 def token_grid(diffusion_model) -> TokenGrid:
     params = diffusion_model.params
     return TokenGrid(params.patch_size, len(params.axes_dim), float(params.ref_index_scale))
@@ -65,8 +89,7 @@ def check_model_fits(model, dataset, layout: str) -> FluxFamily:
     """The MODEL's family, after checking that the dataset was encoded for it (LoadKontextDataset
     takes the VAE and CLIP separately, so a FLUX.1 dataset can meet a FLUX.2 MODEL) and that
     the layout fits it. Reads one cached sample."""
-    family = flux_family(model)
-    check_family_layout(family, layout)
+    family = check_layout_fits(model, layout)
     if not dataset.entries:
         return family
     sample = dataset.sample(dataset.entries[0])

@@ -13,11 +13,10 @@ import numpy as np
 import torch
 from comfy_api.latest import io
 
-from ..trainer_core.model_family import check_family_layout
 from ..trainer_core.position_ids import LAYOUTS, check_layout
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
 from .extension_ids import node_id
-from .model_family import flux_family
+from .model_family import check_layout_fits
 from .reference_ids import with_reference_ids
 
 MAX_REFERENCES = 4
@@ -28,7 +27,9 @@ LAYOUT_TOOLTIP = (
     "UXO/USO style, diagonal after the target. dreamomni2: index i+1 and columns shifted by the "
     "widths of the earlier references (DreamOmni2). With one reference, offset, index and "
     "dreamomni2 are identical (plain Kontext). Train and sample with the same layout. FLUX.2: "
-    "index is its own default (steps of 10); offset and uxo work too; dreamomni2 is FLUX.1 only."
+    "index is its own default (steps of 10); offset and uxo work too; dreamomni2 is FLUX.1 only; "
+    "index_timestep_zero (ComfyUI 0.33+, FLUX.2 only): index ids, and the references are "
+    "modulated as at timestep 0 (ComfyUI's Edit Model Reference Method)."
 )
 
 
@@ -129,7 +130,7 @@ class MultiImageConditioning(io.ComfyNode):
         image_4=None,
     ) -> io.NodeOutput:
         check_layout(layout)
-        check_family_layout(flux_family(model, "MultiImageConditioning's model"), layout)
+        check_layout_fits(model, layout, "MultiImageConditioning's model")
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .position_ids import LAYOUTS
+from .position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -33,7 +33,9 @@ class FluxFamily:
 FLUX1 = FluxFamily(
     "flux",
     "FLUX.1",
-    LAYOUTS,
+    # not index_timestep_zero: ComfyUI (0.33) runs it only with FLUX.2's model-wide modulation;
+    # FLUX.1's per-block modulation fails on the doubled timestep batch
+    tuple(layout for layout in LAYOUTS if layout not in TIMESTEP_ZERO_LAYOUTS),
     # sd-scripts' names for every FLUX.1 model (Kontext has FLUX.1 dev's weights and shapes)
     "flux1",
     "flux-1-dev/lora",
@@ -45,7 +47,8 @@ FLUX2 = FluxFamily(
     "FLUX.2",
     # ComfyUI computes offset / index / uxo for FLUX.2 exactly as for FLUX.1 (index is its
     # default, with steps of 10). DreamOmni2's ids were learnt by a FLUX.1 Kontext model.
-    ("index", "offset", "uxo"),
+    # index_timestep_zero (ComfyUI 0.33+): index ids, references modulated at timestep 0.
+    ("index", "offset", "uxo", "index_timestep_zero"),
     "flux2",
     "Flux.2-dev/lora",  # musubi-tuner's model-spec name for FLUX.2 [dev] LoRAs
     "Mistral-3 (CLIPLoader, type flux2)",

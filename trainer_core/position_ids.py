@@ -15,6 +15,9 @@ they place each reference:
 - ``uxo``: index 0, references placed diagonally after the target.
 - ``dreamomni2``: reference i has index i + 1, rows from 0, columns shifted by the summed
   patch widths of the references before it (DreamOmni2's pipeline).
+- ``index_timestep_zero`` (ComfyUI 0.33+, FLUX.2): the ``index`` ids; ComfyUI's Flux then
+  modulates the reference tokens with the embedding of timestep 0 instead of the sample's
+  timestep (its `timestep_zero_index`). Only the ids are computed here.
 
 With one reference, ``offset``, ``index`` and ``dreamomni2`` all give plain Kontext ids
 (index 1, no offset). ``offset``/``index``/``uxo`` reproduce ComfyUI 0.3.75
@@ -29,9 +32,12 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("offset", "index", "uxo", "dreamomni2")
-# Layouts ComfyUI's Flux knows by name (its `ref_latents_method`); others need our ids patched in.
+LAYOUTS = ("offset", "index", "uxo", "dreamomni2", "index_timestep_zero")
+# Layouts every supported ComfyUI's Flux knows by name (its `ref_latents_method`), for FLUX.1
+# and FLUX.2; others need our ids patched in (index_timestep_zero: ComfyUI 0.33+, FLUX.2 only).
 COMFY_NATIVE_LAYOUTS = ("offset", "index", "uxo")
+# Layouts whose references ComfyUI modulates with timestep 0 (ComfyUI 0.33's Flux).
+TIMESTEP_ZERO_LAYOUTS = ("index_timestep_zero",)
 
 LatentSize = tuple[int, int]  # (height, width) of a latent, in latent pixels
 
@@ -120,7 +126,7 @@ def reference_placements(
             placements.append(
                 (1.0, _latent_to_patches(h_off, patch_size), _latent_to_patches(w_off, patch_size))
             )
-        elif layout == "index":
+        elif layout in ("index", "index_timestep_zero"):
             index += grid.ref_index_scale
             placements.append((index, 0, 0))
         elif layout == "uxo":

@@ -57,6 +57,19 @@ class TokenBatch:
             sizes == self.reference_sizes[0] for sizes in self.reference_sizes
         )
 
+    def sample(self, index: int) -> TokenBatch:
+        """Sample `index` alone, without padding (a uniform batch of one)."""
+        length = int(self.valid[index].sum())  # real tokens come first, padding after
+        return TokenBatch(
+            self.tokens[index : index + 1, :length],
+            self.ids[index : index + 1, :length],
+            self.valid[index : index + 1, :length],
+            self.target[index : index + 1, :length],
+            [self.target_sizes[index]],
+            self.grid,
+            [self.reference_sizes[index]] if self.reference_sizes else [],
+        )
+
     def split_latents(self, tokens: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """For a uniform batch: (B, L, D) tokens -> the (B, C, H, W) target and the list of
         (B, C, h, w) references, as ComfyUI's Flux takes them (`x`, `ref_latents`)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import re
 
 import pytest
 import torch
@@ -128,27 +129,70 @@ def test_checkpointing_keeps_less_and_recomputes_the_blocks(ft, Sample):
     assert checkpointed < plain / 2, (checkpointed, plain)
 
 
-def test_an_in_place_change_comfyui_might_add_makes_the_run_raise(ft, Sample):
+def test_an_in_place_change_comfyui_might_add_makes_the_run_raise(ft, Sample, monkeypatch):
     """A later ComfyUI that modifies, in place, a tensor autograd saved (here: the input of the
     attention's qkv layer, which its LoRA saved) must stop the run, not train on wrong
-    gradients: autograd's version check is still on. (Not under checkpointing: there autograd
-    hands saved tensors to checkpoint's hooks and skips the check; a step without
-    checkpointing is where such a change shows.)"""
+    gradients: autograd's version check is still on, and the first backward raises."""
     model = tiny_flux_patcher(seed=6)
     samples = tiny_samples(Sample, 1, 4, [(8, 6)])
     config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=False)
-    with ft.flux_lora_session(model, config) as session:
-        qkv = session.diffusion_model.double_blocks[0].img_attn.qkv  # LoRA: it saves its input
-
-        def scale_in_place(module, args, out):
-            args[0].mul_(1.0)  # the output stays as computed
-
-        hook = qkv.register_forward_hook(scale_in_place)
-        try:
+    hooks = _in_place_change_after_attach(ft, monkeypatch)
+    try:
+        with ft.flux_lora_session(model, config) as session:
             with pytest.raises(RuntimeError, match="modified by an inplace operation"):
                 _loss(session, samples).backward()
-        finally:
+    finally:
+        for hook in hooks:
             hook.remove()
+
+
+def test_under_checkpointing_an_in_place_change_stops_the_run_before_any_step(ft, Sample, monkeypatch):
+    """Under non-reentrant checkpointing autograd hands saved tensors to checkpoint's hooks and
+    its version check never runs: the same in-place change trains on without an error
+    (shown first, with the guard's backward switched off). The guard's backward without
+    checkpointing catches it before the first step, naming the ComfyUI version."""
+    import comfyui_version
+
+    model = tiny_flux_patcher(seed=6)
+    samples = tiny_samples(Sample, 1, 4, [(8, 6)])
+    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=True)
+    hooks = _in_place_change_after_attach(ft, monkeypatch)
+    real = ft.check_training_backward
+    try:
+        monkeypatch.setattr(ft, "check_training_backward", lambda *args, **kwargs: None)
+        with ft.flux_lora_session(model, config) as session:
+            _loss(session, samples).backward()  # silently: the case the guard is for
+        monkeypatch.setattr(ft, "check_training_backward", real)
+        message = (
+            rf"cannot train on this ComfyUI \({re.escape(comfyui_version.__version__)}\): a step "
+            r"of its Flux forward modifies, in place, a tensor the backward needs"
+        )
+        with pytest.raises(RuntimeError, match=message):
+            with ft.flux_lora_session(model, config):
+                pytest.fail("the session must not start")
+    finally:
+        for hook in hooks:
+            hook.remove()
+
+
+def _in_place_change_after_attach(ft, monkeypatch) -> list:
+    """From the LoRA's attachment on (so also in the guard), every forward of double block 0's
+    qkv layer (its LoRA saved the input) scales its input in place by 1: the output stays as
+    computed, the saved input's version moves on."""
+    hooks, real_attach = [], ft.attach_lora
+
+    def attach_then_change(diffusion_model, *args, **kwargs):
+        lora = real_attach(diffusion_model, *args, **kwargs)
+        qkv = diffusion_model.double_blocks[0].img_attn.qkv
+        hooks.append(qkv.register_forward_hook(_scale_input_in_place))
+        return lora
+
+    monkeypatch.setattr(ft, "attach_lora", attach_then_change)
+    return hooks
+
+
+def _scale_input_in_place(module, args, out) -> None:
+    args[0].mul_(1.0)  # returns None: the output stays as computed
 
 
 def _loss(session, samples):

@@ -87,3 +87,24 @@ def test_a_resumed_lora_with_dropout_passes_the_guard(mods):
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, dropout=0.5, seed=1)
     with mods.ft.flux_lora_session(patcher, config, initial=trained) as session:
         assert any(m.training for m in session.diffusion_model.modules())  # dropout is on again
+
+
+def test_the_probe_carries_a_reference_in_the_runs_layout(mods, pack, monkeypatch):
+    """The guard's probe has a reference in the run's layout, so it also compares the
+    reference path. Shown with ComfyUI 0.33's timestep-zero references: a block patch that
+    drops the call-time modulation ranges (`modulation_dims*`, as a changed block argument
+    would) computes the same without references but not with them, and the run is refused."""
+    from kt_testing.tiny_models import tiny_flux2_patcher
+
+    if not pack.nodes.model_family.comfy_runs_timestep_zero(tiny_flux2_patcher(seed=4).model.diffusion_model):
+        pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
+    monkeypatch.setattr(mods.blocks, "call_time_kwargs", lambda extra: {})
+    for layout in ("index", "index_timestep_zero"):
+        config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1, layout=layout)
+        if layout == "index":  # no modulation ranges: the patch is harmless
+            with mods.ft.flux_lora_session(tiny_flux2_patcher(seed=4), config):
+                pass
+        else:
+            with pytest.raises(RuntimeError, match=r"cannot train on this ComfyUI \(0\.33"):
+                with mods.ft.flux_lora_session(tiny_flux2_patcher(seed=4), config):
+                    pytest.fail("the session must not start")
