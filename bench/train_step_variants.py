@@ -102,7 +102,8 @@ def run_native(model, inputs: Inputs, args) -> Trained:
     # (`multi_res` unset); with batch_size 1 it trains on one of them per step.
     latents = [{"samples": inputs.target}, {"samples": inputs.target}]
     algorithm = next(iter(nodes_train.adapter_maps))  # the widget's default ("lora")
-    result = nodes_train.TrainLoraNode.execute(
+    result = _execute_with_defaults(
+        nodes_train.TrainLoraNode,
         model=[model],
         latents=latents,
         positive=[positive],
@@ -120,7 +121,9 @@ def run_native(model, inputs: Inputs, args) -> Trained:
         gradient_checkpointing=[True],
         existing_lora=["[None]"],
     )
-    _, lora_sd, loss_map, _ = result.result
+    # 0.3.75 returns (model, lora, loss map, steps); 0.33 (lora, loss map, steps)
+    loss_map = next(out for out in result.result if isinstance(out, dict) and "loss" in out)
+    lora_sd = next(out for out in result.result if isinstance(out, dict) and "loss" not in out)
     # the node turns requires_grad off when it returns: count by name (alpha is a frozen scalar)
     trained = {k: v for k, v in lora_sd.items() if not k.endswith(".alpha")}
     matrices = [k for k in trained if k.endswith(".lora_up.weight")]
@@ -133,6 +136,21 @@ def run_native(model, inputs: Inputs, args) -> Trained:
     )
     trainable = sum(v.numel() for v in trained.values())
     return Trained(layers, len(matrices) + len(diffs), trainable, [float(x) for x in loss_map["loss"]])
+
+
+def _execute_with_defaults(node, **given):
+    """`node.execute` with `given`, and every other parameter at its widget's default as the
+    node's schema states it (ComfyUI 0.33's TrainLoraNode has five more than 0.3.75's:
+    quantized_backward, checkpoint_depth, offloading, bucket_mode, bypass_mode), in a list as
+    an `is_input_list` node takes them."""
+    import inspect
+
+    defaults = {item.id: getattr(item, "default", None) for item in node.define_schema().inputs}
+    wanted = [name for name in inspect.signature(node.execute).parameters if name != "cls"]
+    missing = [name for name in wanted if name not in given and defaults.get(name) is None]
+    if missing:
+        raise RuntimeError(f"{node.__name__}.execute needs {missing}, which have no default")
+    return node.execute(**{name: given.get(name, [defaults.get(name)]) for name in wanted})
 
 
 def _crashes_on_reference(process_cond_list, positive) -> bool:

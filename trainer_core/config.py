@@ -81,8 +81,8 @@ class TrainConfig:
     )
     layout: str = knob(
         "offset",
-        "Reference position-id layout; sample with the same one. FLUX.2: index (its own), offset "
-        "or uxo.",
+        "Reference position-id layout; sample with the same one. FLUX.2: index (its own), offset, "
+        "uxo, or index_timestep_zero (ComfyUI 0.33+: references modulated at timestep 0).",
         options=LAYOUT_NAMES,
     )
     timestep_sampler: str = knob(

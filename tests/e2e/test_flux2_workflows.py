@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 
 from kt_testing.datasets import color_image, write_one_folder
-from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS, comfyui_root
 from kt_testing.runs import progress_events
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
@@ -137,3 +137,59 @@ def test_the_inference_example_applies_the_trained_lora(server, trained):
     _, without_lora = run_inference(server, 0.0)
     assert without_lora.shape == with_lora.shape
     assert np.abs(with_lora - without_lora).max() > 0
+
+
+TIMESTEP_ZERO = "index_timestep_zero"
+
+
+def with_layout(workflow: dict, layout: str) -> dict:
+    for node in workflow.values():
+        if node["class_type"] in ("KontextTrainer_TrainLoRA", "KontextTrainer_MultiImageConditioning"):
+            node["inputs"]["layout"] = layout
+    return workflow
+
+
+def test_timestep_zero_references_train_and_sample_or_are_refused_by_version(server):
+    """ComfyUI 0.33's "Edit Model Reference Method" index_timestep_zero, chosen on TrainLoRA and
+    MultiImageConditioning of the shipped FLUX.2 examples (4 steps): on 0.33 the run trains,
+    previews and validates with it, records it in the LoRA, and the inference example samples
+    with it (another image than with index); on a ComfyUI without it the run stops at once
+    with one message naming the version."""
+    root = comfyui_root()  # the server's ComfyUI
+    version = (root / "comfyui_version.py").read_text().split('"')[1]
+    knows_timestep_zero = "timestep_zero_index" in (root / "comfy/ldm/flux/model.py").read_text()
+    workflow = with_layout(with_tiny_loaders(shipped("flux2_lora_training.json")), TIMESTEP_ZERO)
+    train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
+    train.update(lora_name="flux2_timestep_zero", steps=4, save_every=4, validate_every=2)
+    inputs_of(workflow, "KontextTrainer_PreviewSampler")["every_n_steps"] = 2
+    inputs = server.base_dir / "input"
+    folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
+    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
+    for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
+        color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    if not knows_timestep_zero:
+        error = messages[-1]
+        assert error["type"] == "execution_error", error
+        assert (
+            f"layout 'index_timestep_zero' needs ComfyUI 0.33 or newer (its Flux feeds the "
+            f"references at timestep 0); this ComfyUI is {version}"
+        ) in error["data"]["exception_message"]
+        assert not (server.base_dir / "models" / "loras" / "flux2_timestep_zero.safetensors").exists()
+        return
+    succeeded(messages)
+    assert len(progress_events(messages)[-1]["previews"]) == 2
+    _, metadata = load(server.base_dir / "models" / "loras" / "flux2_timestep_zero.safetensors")
+    assert metadata["kontext_trainer.layout"] == TIMESTEP_ZERO
+
+    images = {}
+    for layout in (TIMESTEP_ZERO, "index"):
+        inference = with_layout(with_tiny_loaders(shipped("flux2_lora_inference.json")), layout)
+        inputs_of(inference, "LoraLoaderModelOnly")["lora_name"] = "flux2_timestep_zero.safetensors"
+        inputs_of(inference, "SaveImage")["filename_prefix"] = f"timestep_zero_{layout}"
+        prompt_id, messages = server.run_prompt(inference, timeout=600)
+        succeeded(messages)
+        (saved,) = server.history(prompt_id)["outputs"][only_id(inference, "SaveImage")]["images"]
+        path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
+        images[layout] = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    assert np.abs(images[TIMESTEP_ZERO] - images["index"]).max() > 0
