@@ -62,24 +62,34 @@ def _reset_peak_rss() -> None:
 
 
 class Clock:
-    """Set-up and per-step times from two hooks: a forward pre-hook on the transformer (its
-    first call ends the set-up) and a global optimizer step post-hook (each step's end)."""
+    """Set-up and per-step times: the transformer class's `forward` is wrapped (its first
+    training call ends the set-up) and a global optimizer step post-hook marks each step's
+    end. By class, not by instance: ComfyUI 0.33's TrainLoraNode trains a fresh copy of the
+    model (`clone(force_deepcopy=True)` loads it again). Calls with fewer tokens than the
+    sample's text (the forward guard's probe before ours trains) are not training calls."""
 
-    def __init__(self, transformer):
+    def __init__(self, transformer, min_tokens: int = 0):
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
         self.first_call: float | None = None
         self.tokens: int | None = None  # tokens of the first transformer call (image + text)
         self.step_ends: list[float] = []
         self.step_cpu_ends: list[float] = []  # process CPU time: steadier while others share the CPU
-        self._handles = [
-            transformer.register_forward_pre_hook(self._on_call, with_kwargs=True),
-            register_optimizer_step_post_hook(self._on_step),
-        ]
+        self.min_tokens = min_tokens
+        self.kind = type(transformer)
+        self.forward = self.kind.forward
+        clock, forward = self, self.forward
+
+        def watched(module, *args, **kwargs):
+            clock._on_call(module, args, kwargs)
+            return forward(module, *args, **kwargs)
+
+        self.kind.forward = watched
+        self._handles = [register_optimizer_step_post_hook(self._on_step)]
         self.started = time.perf_counter()
 
     def _on_call(self, module, args, kwargs):
-        if self.first_call is None:
+        if self.first_call is None and _token_count(args, kwargs) >= self.min_tokens:
             self.first_call = time.perf_counter()
             self.tokens = _token_count(args, kwargs)
             self.first_call_cpu = time.process_time()
@@ -89,6 +99,7 @@ class Clock:
         self.step_cpu_ends.append(time.process_time())
 
     def close(self) -> None:
+        self.kind.forward = self.forward
         for handle in self._handles:
             handle.remove()
 
@@ -145,7 +156,7 @@ def worker(args) -> None:
     inputs = variants.make_inputs(args.size)
     base_rss = _memory_kib("VmRSS")
     _reset_peak_rss()
-    clock = Clock(transformer)
+    clock = Clock(transformer, min_tokens=inputs.context.shape[1])
     trained = variants.VARIANTS[args.worker](model, inputs, args)
     clock.close()
     peak = _memory_kib("VmHWM")

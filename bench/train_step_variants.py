@@ -200,7 +200,8 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
     flux_blocks = _pack("nodes.flux_blocks")
     lora_adapters = _pack("trainer_core.lora_adapters")
     lora_targets = _pack("trainer_core.lora_targets")
-    with torch.inference_mode(False):
+    # ComfyUI's training mode (0.33: the eager RoPE, which has a backward), as ours trains
+    with torch.inference_mode(False), flux_blocks.comfy_training_mode(True):
         torch.manual_seed(0)
         clone = model.clone()
         comfy.model_management.load_models_gpu([clone])

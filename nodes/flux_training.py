@@ -18,8 +18,9 @@ ComfyUI).
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
    the CPU) to the shared diffusion model for the duration of the `with` block, checks on one
    small input that the training path computes what ComfyUI's own forward computes for this
-   model (`forward_guard`: a ComfyUI release that breaks the patches stops the run before any
-   step), optionally swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
+   model, and with checkpointing runs one backward without it, where autograd checks for
+   in-place changes (`forward_guard`: a ComfyUI release that breaks the patches stops the run
+   before any step), optionally swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
    object the user holds never gets a patch, and once the block exits its module tree is the
    original one again.
 
@@ -30,7 +31,8 @@ load device and the loss is computed where the model computed (`flow_step`).
 their sizes it is exactly the call `BaseModel._apply_model` makes (ComfyUI's Flux `forward`
 with `ref_latents` and `ref_latents_method`, through its wrappers and patches; inputs cast
 the same way); a padded mixed-size batch goes through `forward_orig` with per-sample ids and
-an attention mask (`reference_ids.forward_token_batch`).
+an attention mask (`reference_ids.forward_token_batch`). With timestep-zero references
+(ComfyUI 0.33's `index_timestep_zero`, FLUX.2) every sample gets ComfyUI's own call alone.
 """
 
 from __future__ import annotations
