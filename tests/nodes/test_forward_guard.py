@@ -20,15 +20,28 @@ def mods(pack):
     return type("Mods", (), {k: importlib.import_module(f"{pack.__name__}.{v}") for k, v in names.items()})
 
 
-@pytest.mark.parametrize("family", sorted(TINY_FAMILIES))
+CASES = {  # family, layout
+    "flux": ("flux", "offset"),
+    "flux2": ("flux2", "index"),
+    "flux2-timestep-zero": ("flux2", "index_timestep_zero"),  # ComfyUI 0.33+
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_the_paths_agree_within_the_tolerance(mods, family, dtype):
-    """Measured here: what the guard sees on a healthy model, well inside its tolerance (on
-    ComfyUI 0.3.75 both paths share every kernel: bit-equal)."""
+def test_the_paths_agree_within_the_tolerance(mods, pack, case, dtype):
+    """Measured here: what the guard sees on a healthy model (its probe carries a reference in
+    the run's layout), well inside its tolerance (on ComfyUI 0.3.75 both paths share every
+    kernel: bit-equal)."""
     import comfyui_version
 
+    family, layout = CASES[case]
     patcher = TINY_FAMILIES[family].patcher(seed=4, dtype=dtype)
-    config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)
+    if layout == "index_timestep_zero" and not pack.nodes.model_family.comfy_runs_timestep_zero(
+        patcher.model.diffusion_model
+    ):
+        pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
+    config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1, layout=layout)
     seen = []
     real = mods.guard.check_training_forward
 
@@ -43,7 +56,7 @@ def test_the_paths_agree_within_the_tolerance(mods, family, dtype):
     finally:
         mods.ft.check_training_forward = real
     allowed = mods.guard.TOLERANCE.get(dtype, mods.guard.HALF_TOLERANCE)
-    print(f"\n{family} {dtype} on ComfyUI {comfyui_version.__version__}: relative difference {seen[0]:.2e}")
+    print(f"\n{case} {dtype} on ComfyUI {comfyui_version.__version__}: relative difference {seen[0]:.2e}")
     assert seen[0] <= allowed / 10
     if comfyui_version.__version__ == "0.3.75":
         assert seen[0] == 0.0
