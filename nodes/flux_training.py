@@ -20,9 +20,9 @@ ComfyUI).
    small input that the training path computes what ComfyUI's own forward computes for this
    model, and with checkpointing runs one backward without it, where autograd checks for
    in-place changes (`forward_guard`: a ComfyUI release that breaks the patches stops the run
-   before any step), optionally swaps blocks (`block_swap`), and undoes all of it on exit, whatever happens. The MODEL
-   object the user holds never gets a patch, and once the block exits its module tree is the
-   original one again.
+   before any step), optionally swaps blocks (`block_swap`), and undoes all of it on exit,
+   whatever happens. The MODEL object the user holds never gets a patch, and once the block
+   exits its module tree is the original one again.
 
 Device discipline: the cached samples stay on the CPU; `predict` moves each batch to the
 load device and the loss is computed where the model computed (`flow_step`).
