@@ -18,8 +18,8 @@ ComfyUI).
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
    the CPU) to the shared diffusion model for the duration of the `with` block, checks on one
    small input that the training path computes what ComfyUI's own forward computes for this
-   model, and with checkpointing runs one backward without it, where autograd checks for
-   in-place changes (`forward_guard`: a ComfyUI release that breaks the patches stops the run
+   model, and runs one backward without checkpointing, where autograd checks for in-place
+   changes (`forward_guard`: a ComfyUI release that breaks the patches stops the run
    before any step), optionally swaps blocks (`block_swap`), and undoes all of it on exit,
    whatever happens. The MODEL object the user holds never gets a patch, and once the block
    exits its module tree is the original one again.
@@ -279,18 +279,14 @@ def flux_lora_session(
             )
         finally:
             remove_hooks()
-        if config.gradient_checkpointing:  # there autograd's in-place check does not run
-            remove_hooks = install_trainable_blocks(clone, checkpointing=False)
-            try:
-                check_training_backward(
-                    clone,
-                    sampling_options(clone),
-                    _compute_dtype(clone.model),
-                    lora.parameters(),
-                    config.layout,
-                )
-            finally:
-                remove_hooks()
+        # and a backward without checkpointing (where autograd's in-place check runs) is sound
+        remove_hooks = install_trainable_blocks(clone, checkpointing=False)
+        try:
+            check_training_backward(
+                clone, sampling_options(clone), _compute_dtype(clone.model), lora.parameters(), config.layout
+            )
+        finally:
+            remove_hooks()
         swapper = None
         if config.blocks_to_swap:
             swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)

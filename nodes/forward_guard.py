@@ -22,9 +22,9 @@ timestep-zero modulation) is compared too.
 With gradient checkpointing, autograd hands the tensors a block saves to checkpoint's hooks
 and its version check never runs: a ComfyUI release that modified a saved tensor in place
 would train on wrong gradients, silently. `check_training_backward` therefore runs one
-backward of the probe through the blocks without checkpointing, where autograd checks every
-saved tensor, and turns "modified by an inplace operation" into a message naming the
-ComfyUI version, before any step.
+backward of the probe through the blocks without checkpointing (whatever the run's setting),
+where autograd checks every saved tensor, and turns "modified by an inplace operation" into a
+message naming the ComfyUI version, before any step.
 """
 
 from __future__ import annotations

@@ -75,13 +75,19 @@ def trained(server):
     with two references each, in the folder it names; the reference images its previews load
     are in input/ too. Returns (workflow, prompt id, websocket messages)."""
     workflow = with_tiny_loaders(shipped("flux2_lora_training.json"))
+    write_training_inputs(server, workflow)
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    return workflow, prompt_id, messages
+
+
+def write_training_inputs(server, workflow: dict) -> None:
+    """The dataset folder the training workflow names (three 64 px samples, two references
+    each) and the images its LoadImage nodes read, in the server's input/."""
     inputs = server.base_dir / "input"
     folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
     write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
     for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
         color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
-    prompt_id, messages = server.run_prompt(workflow, timeout=600)
-    return workflow, prompt_id, messages
 
 
 def test_the_training_example_writes_a_flux2_lora_with_previews(server, trained):
@@ -115,10 +121,17 @@ def test_the_training_example_writes_a_flux2_lora_with_previews(server, trained)
         assert np.asarray(image).std() > 0  # a picture, not a blank
 
 
-def run_inference(server, strength: float) -> tuple[dict, np.ndarray]:
-    """The inference example, loaders swapped, its LoRA at `strength`: (workflow, saved image)."""
+def run_inference(
+    server, strength: float, lora_name: str | None = None, layout: str | None = None
+) -> tuple[dict, np.ndarray]:
+    """The inference example, loaders swapped, its LoRA (or `lora_name`) at `strength`, its
+    MultiImageConditioning in `layout` if given: (workflow, saved image)."""
     workflow = with_tiny_loaders(shipped("flux2_lora_inference.json"))
     inputs_of(workflow, "LoraLoaderModelOnly")["strength_model"] = strength
+    if lora_name is not None:
+        inputs_of(workflow, "LoraLoaderModelOnly")["lora_name"] = lora_name
+    if layout is not None:
+        inputs_of(workflow, "KontextTrainer_MultiImageConditioning")["layout"] = layout
     prompt_id, messages = server.run_prompt(workflow, timeout=600)
     succeeded(messages)
     (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
@@ -162,12 +175,8 @@ def test_timestep_zero_references_train_and_sample_or_are_refused_by_version(ser
     train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
     train.update(lora_name="flux2_timestep_zero", steps=4, save_every=4, validate_every=2)
     inputs_of(workflow, "KontextTrainer_PreviewSampler")["every_n_steps"] = 2
-    inputs = server.base_dir / "input"
-    folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
-    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
-    for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
-        color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
-    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    write_training_inputs(server, workflow)
+    _, messages = server.run_prompt(workflow, timeout=600)
     if not knows_timestep_zero:
         error = messages[-1]
         assert error["type"] == "execution_error", error
@@ -182,14 +191,8 @@ def test_timestep_zero_references_train_and_sample_or_are_refused_by_version(ser
     _, metadata = load(server.base_dir / "models" / "loras" / "flux2_timestep_zero.safetensors")
     assert metadata["kontext_trainer.layout"] == TIMESTEP_ZERO
 
-    images = {}
-    for layout in (TIMESTEP_ZERO, "index"):
-        inference = with_layout(with_tiny_loaders(shipped("flux2_lora_inference.json")), layout)
-        inputs_of(inference, "LoraLoaderModelOnly")["lora_name"] = "flux2_timestep_zero.safetensors"
-        inputs_of(inference, "SaveImage")["filename_prefix"] = f"timestep_zero_{layout}"
-        prompt_id, messages = server.run_prompt(inference, timeout=600)
-        succeeded(messages)
-        (saved,) = server.history(prompt_id)["outputs"][only_id(inference, "SaveImage")]["images"]
-        path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
-        images[layout] = np.asarray(Image.open(path).convert("RGB")).astype(int)
+    images = {
+        layout: run_inference(server, 1.0, "flux2_timestep_zero.safetensors", layout)[1]
+        for layout in (TIMESTEP_ZERO, "index")
+    }
     assert np.abs(images[TIMESTEP_ZERO] - images["index"]).max() > 0

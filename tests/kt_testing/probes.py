@@ -66,3 +66,30 @@ def model_output(
     )
     with torch.no_grad():
         return model.model.apply_model(x, torch.tensor([sigma]), transformer_options=options, **cond)
+
+
+def flux2_inputs(target, refs, seed=0, text=7) -> dict:
+    """Seeded inputs for the tiny FLUX.2's own forward: a (1, 128, *target) latent, its
+    references, timestep 0.6, a (1, text, 48) context and guidance 4."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "x": torch.randn(1, 128, *target, generator=gen),
+        "refs": [torch.randn(1, 128, *r, generator=gen) for r in refs],
+        "timestep": torch.full((1,), 0.6),
+        "context": torch.randn(1, text, 48, generator=gen),
+        "guidance": torch.full((1,), 4.0),
+    }
+
+
+def flux2_forward(flux, inputs: dict, layout: str, transformer_options: dict | None = None):
+    """ComfyUI's FLUX.2 forward on `flux2_inputs`, the references in `layout`."""
+    return flux(
+        inputs["x"],
+        inputs["timestep"],
+        inputs["context"],
+        None,
+        inputs["guidance"],
+        ref_latents=inputs["refs"],
+        ref_latents_method=layout,
+        transformer_options=transformer_options or {},
+    )

@@ -19,7 +19,7 @@ import torch
 
 from kt_testing.executor import run_node
 from kt_testing.graphs import ksampler_inputs
-from kt_testing.probes import tiny_samples
+from kt_testing.probes import flux2_forward, flux2_inputs, tiny_samples
 from kt_testing.tiny_models import small_flux2_vae, tiny_flux2_patcher, tiny_flux_patcher
 from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
 from trainer_core.token_batch import build_token_batch
@@ -57,29 +57,6 @@ def captured_ids(diffusion_model):
         handle.remove()
 
 
-def make_inputs(target, refs, seed=0, text=7):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "x": torch.randn(1, 128, *target, generator=gen),
-        "refs": [torch.randn(1, 128, *r, generator=gen) for r in refs],
-        "timestep": torch.full((1,), 0.6),
-        "context": torch.randn(1, text, 48, generator=gen),
-        "guidance": torch.full((1,), 4.0),
-    }
-
-
-def comfy_forward(flux, inputs, layout):
-    return flux(
-        inputs["x"],
-        inputs["timestep"],
-        inputs["context"],
-        None,
-        inputs["guidance"],
-        ref_latents=inputs["refs"],
-        ref_latents_method=layout,
-    )
-
-
 def test_comfyui_detects_the_tiny_model_as_flux2(flux2, pack):
     family = pack.nodes.model_family
     assert family.flux_family(flux2).title == "FLUX.2"
@@ -97,9 +74,9 @@ def test_ids_and_output_equal_comfyuis_own_flux2_forward(flux2, pack, layout, co
     padded-batch forward (per-sample ids, `forward_orig`) gives the same output."""
     flux = flux2.model.diffusion_model
     target, refs = (6, 8), REFERENCE_SETS[count]
-    inputs = make_inputs(target, refs, seed=count)
+    inputs = flux2_inputs(target, refs, seed=count)
     with captured_ids(flux) as calls:
-        expected = comfy_forward(flux, inputs, layout)
+        expected = flux2_forward(flux, inputs, layout)
     (theirs,) = calls
     ours = torch.cat([text_position_ids(1, 7, 4)[0], image_position_ids(target, refs, layout, FLUX2_GRID)])
     assert theirs.shape == (1, 7 + 48 + sum(h * w for h, w in refs), 4)
@@ -117,7 +94,7 @@ def test_ids_and_output_equal_comfyuis_own_flux2_forward(flux2, pack, layout, co
 def test_mixed_size_flux2_batch_matches_each_sample_alone(flux2, pack):
     flux = flux2.model.diffusion_model
     samples = [((6, 8), [(8, 8), (6, 10)]), ((8, 4), [(4, 4), (10, 6)]), ((4, 4), [(8, 12), (2, 2)])]
-    singles = [make_inputs(t, r, seed=10 + i) for i, (t, r) in enumerate(samples)]
+    singles = [flux2_inputs(t, r, seed=10 + i) for i, (t, r) in enumerate(samples)]
     for single in singles[1:]:
         single["context"] = singles[0]["context"]
     batch = build_token_batch(
@@ -133,7 +110,7 @@ def test_mixed_size_flux2_batch_matches_each_sample_alone(flux2, pack):
         torch.full((3,), 4.0),
     )
     for i, single in enumerate(singles):
-        expected = comfy_forward(flux, single, "index")[0]
+        expected = flux2_forward(flux, single, "index")[0]
         assert (batch.target_latents(tokens)[i] - expected).abs().max() <= 1e-5, i
 
 

@@ -129,39 +129,32 @@ def test_checkpointing_keeps_less_and_recomputes_the_blocks(ft, Sample):
     assert checkpointed < plain / 2, (checkpointed, plain)
 
 
-def test_an_in_place_change_comfyui_might_add_makes_the_run_raise(ft, Sample, monkeypatch):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_an_in_place_change_comfyui_might_add_stops_the_run_before_any_step(
+    ft, Sample, monkeypatch, checkpointing
+):
     """A later ComfyUI that modifies, in place, a tensor autograd saved (here: the input of the
     attention's qkv layer, which its LoRA saved) must stop the run, not train on wrong
-    gradients: autograd's version check is still on, and the first backward raises."""
-    model = tiny_flux_patcher(seed=6)
-    samples = tiny_samples(Sample, 1, 4, [(8, 6)])
-    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=False)
-    hooks = _in_place_change_after_attach(ft, monkeypatch)
-    try:
-        with ft.flux_lora_session(model, config) as session:
-            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-                _loss(session, samples).backward()
-    finally:
-        for hook in hooks:
-            hook.remove()
-
-
-def test_under_checkpointing_an_in_place_change_stops_the_run_before_any_step(ft, Sample, monkeypatch):
-    """Under non-reentrant checkpointing autograd hands saved tensors to checkpoint's hooks and
-    its version check never runs: the same in-place change trains on without an error
-    (shown first, with the guard's backward switched off). The guard's backward without
-    checkpointing catches it before the first step, naming the ComfyUI version."""
+    gradients. First without the guard's backward: without checkpointing autograd's version
+    check makes the step raise; under non-reentrant checkpointing autograd hands saved tensors
+    to checkpoint's hooks, the check never runs and the step trains on, silently (the case the
+    guard is for). Then with it: both runs are refused before any step, naming the ComfyUI
+    version."""
     import comfyui_version
 
     model = tiny_flux_patcher(seed=6)
     samples = tiny_samples(Sample, 1, 4, [(8, 6)])
-    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=True)
+    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
     hooks = _in_place_change_after_attach(ft, monkeypatch)
     real = ft.check_training_backward
     try:
         monkeypatch.setattr(ft, "check_training_backward", lambda *args, **kwargs: None)
         with ft.flux_lora_session(model, config) as session:
-            _loss(session, samples).backward()  # silently: the case the guard is for
+            if checkpointing:
+                _loss(session, samples).backward()  # silently
+            else:
+                with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                    _loss(session, samples).backward()
         monkeypatch.setattr(ft, "check_training_backward", real)
         message = (
             rf"cannot train on this ComfyUI \({re.escape(comfyui_version.__version__)}\): a step "

@@ -21,7 +21,7 @@ import torch
 
 from kt_testing.executor import run_node
 from kt_testing.gradients import randomise_lora, worst_directional_error
-from kt_testing.probes import tiny_samples
+from kt_testing.probes import flux2_forward, flux2_inputs, tiny_samples
 from kt_testing.tiny_models import small_flux2_vae, tiny_flux2_patcher, tiny_flux_patcher
 from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
 
@@ -73,29 +73,6 @@ def multi_image(pack, model, layout, *images):
     return run_node(node, inputs).outputs
 
 
-def flux2_inputs(target, refs, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return {
-        "x": torch.randn(1, 128, *target, generator=gen),
-        "refs": [torch.randn(1, 128, *r, generator=gen) for r in refs],
-        "timestep": torch.full((1,), 0.6),
-        "context": torch.randn(1, 7, 48, generator=gen),
-        "guidance": torch.full((1,), 4.0),
-    }
-
-
-def forward(flux, inputs, layout):
-    return flux(
-        inputs["x"],
-        inputs["timestep"],
-        inputs["context"],
-        None,
-        inputs["guidance"],
-        ref_latents=inputs["refs"],
-        ref_latents_method=layout,
-    )
-
-
 @torch.no_grad()
 def test_multi_image_conditioning_model_computes_comfyuis_own_timestep_zero_forward(on_033, pack):
     """MultiImageConditioning's MODEL (our ids) against the MODEL as loaded, on ComfyUI's own
@@ -110,18 +87,8 @@ def test_multi_image_conditioning_model_computes_comfyuis_own_timestep_zero_forw
     seen = []
     hook = flux.pe_embedder.register_forward_pre_hook(lambda m, args: seen.append(args[0].clone()))
     try:
-        theirs = forward(flux, inputs, LAYOUT)
-        clone_options = {"transformer_options": {"wrappers": model.wrappers}}
-        ours = flux(
-            inputs["x"],
-            inputs["timestep"],
-            inputs["context"],
-            None,
-            inputs["guidance"],
-            ref_latents=inputs["refs"],
-            ref_latents_method=LAYOUT,
-            transformer_options=clone_options["transformer_options"],
-        )
+        theirs = flux2_forward(flux, inputs, LAYOUT)
+        ours = flux2_forward(flux, inputs, LAYOUT, {"wrappers": model.wrappers})  # the clone's wrapper
     finally:
         hook.remove()
     expected_ids = torch.cat(
@@ -129,7 +96,7 @@ def test_multi_image_conditioning_model_computes_comfyuis_own_timestep_zero_forw
     )
     assert len(seen) == 2 and torch.equal(seen[0][0], expected_ids) and torch.equal(seen[1][0], expected_ids)
     assert torch.equal(ours, theirs)
-    assert (theirs - forward(flux, inputs, "index")).abs().max() > 1e-3
+    assert (theirs - flux2_forward(flux, inputs, "index")).abs().max() > 1e-3
 
 
 def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft, Sample, pack):
