@@ -207,7 +207,8 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
         comfy.model_management.load_models_gpu([clone])
         flux = clone.model.diffusion_model
         ft.make_autograd_safe_(flux)
-        names = lora_targets.target_module_names(ft.linear_names(flux), "attention_mlp")
+        linears = _pack("nodes.cast_contract").linear_names(flux)
+        names = lora_targets.target_module_names(linears, "attention_mlp")
         lora = lora_adapters.attach_lora(flux, names, args.rank, float(args.rank))
         flux_blocks.install_trainable_blocks(clone, checkpointing=True)
         optimizer = torch.optim.AdamW(lora.parameters(), lr=LORA_LEARNING_RATE, foreach=False)

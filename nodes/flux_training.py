@@ -16,7 +16,9 @@ ComfyUI).
    (inference tensors, and weights whose version counter is missing) is swapped for an
    autograd-usable copy (`trainer_core.autograd_safe`);
 4. attaches peft LoRA layers (on the compute device, also for layers a partial load left on
-   the CPU) to the shared diffusion model for the duration of the `with` block, checks on one
+   the CPU; around `nn.Linear` and ComfyUI's quantized Linear alike) to the shared diffusion
+   model for the duration of the `with` block, makes every Linear that casts its weight cast
+   again in the backward instead of letting autograd keep the cast (`cast_contract`), checks on one
    small input that the training path computes what ComfyUI's own forward computes for this
    model, and runs one backward without checkpointing, where autograd checks for in-place
    changes (`forward_guard`: a ComfyUI release that breaks the patches stops the run
@@ -57,6 +59,7 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
+from .cast_contract import linear_names, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
 from .forward_guard import check_training_backward, check_training_forward
@@ -78,10 +81,6 @@ def sampling_options(patcher) -> dict:
         transformer_options.setdefault("wrappers", {}), patcher.wrappers, copy_dict1=False
     )
     return transformer_options
-
-
-def linear_names(module: torch.nn.Module) -> list[str]:
-    return [name for name, child in module.named_modules() if isinstance(child, torch.nn.Linear)]
 
 
 def _compute_dtype(base_model) -> torch.dtype:
@@ -267,10 +266,21 @@ def flux_lora_session(
         diffusion_model = clone.model.diffusion_model
         _without_pins(clone, lambda: make_autograd_safe_(diffusion_model))
         names = target_module_names(linear_names(diffusion_model), config.targets)
+        layers = dict(diffusion_model.named_modules())
+        packed = {type(layers[n]) for n in names if not isinstance(layers[n], torch.nn.Linear)}
         lora = attach_lora(
-            diffusion_model, names, config.rank, config.alpha, config.dropout, initial, clone.load_device
+            diffusion_model,
+            names,
+            config.rank,
+            config.alpha,
+            config.dropout,
+            initial,
+            clone.load_device,
+            linear_types=tuple(packed),  # ComfyUI's quantized Linear (not an nn.Linear)
         )
         undo.callback(lora.detach)
+        # no weight ComfyUI's cast hands a layer outlives that layer's forward (cast_contract)
+        undo.callback(recast_in_backward(diffusion_model))
         # before any step: the training path computes what ComfyUI's own forward computes
         remove_hooks = install_trainable_blocks(clone, config.gradient_checkpointing)
         try:

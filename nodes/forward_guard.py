@@ -95,7 +95,9 @@ def check_training_forward(
     theirs_options = _without_our_blocks(
         transformer_options, (DoubleBlockReplacement, SingleBlockReplacement)
     )
-    with evaluating(flux):  # no LoRA dropout (peft makes its dropout modules in train mode)
+    # no graph: nothing either forward casts is kept (ComfyUI may reuse it, cast_contract), and
+    # no LoRA dropout (peft makes its dropout modules in train mode)
+    with evaluating(flux), torch.no_grad():
         # sampling's RoPE (comfy-kitchen's fused op on 0.33), which has no float64 kernel: a
         # float64 model (tests) is compared with the eager RoPE on both sides
         with comfy_training_mode(dtype == torch.float64):

@@ -38,7 +38,8 @@ from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
-from .flux_training import FluxLoraSession, flux_lora_session, linear_names
+from .cast_contract import linear_names
+from .flux_training import FluxLoraSession, flux_lora_session
 from .model_family import flux_family, text_in
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
 

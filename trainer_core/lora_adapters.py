@@ -25,15 +25,24 @@ from .lora_file import LoraModule
 ADAPTER = "default"
 
 
-def _lora_config(names: Sequence[str], rank: int, alpha: float, dropout: float, per_module=None):
+def _lora_config(
+    names: Sequence[str], rank: int, alpha: float, dropout: float, per_module=None, linear_types=()
+):
     from peft import LoraConfig
+    from peft.tuners.lora import Linear as LoraLinear
 
     config = {"r": rank, "lora_alpha": alpha, "lora_dropout": dropout, "target_modules": list(names)}
     if per_module:
         # peft matches pattern keys as regular expressions against the module name.
         config["rank_pattern"] = {re.escape(n): m.rank for n, m in per_module.items()}
         config["alpha_pattern"] = {re.escape(n): m.alpha for n, m in per_module.items()}
-    return LoraConfig(**config)
+    config = LoraConfig(**config)
+    if linear_types:
+        # peft's own LoRA Linear (forward `base(x) + lora_B(lora_A(dropout(x))) * scaling`) around
+        # Linear layers that are not `nn.Linear` (a quantized Linear holding a packed weight):
+        # the base layer computes with its own weight, peft never reads it
+        config._register_custom_module({cls: LoraLinear for cls in linear_types})
+    return config
 
 
 @dataclass
@@ -98,8 +107,13 @@ def attach_lora(
     dropout: float = 0.0,
     initial: Mapping[str, LoraModule] | None = None,
     device: torch.device | str | None = None,
+    linear_types: Sequence[type] = (),
 ) -> AttachedLora:
     """Wrap `names` (Linear layers of `model`) with trainable float32 LoRA layers.
+
+    A layer is an `nn.Linear` or one of `linear_types`: other classes that compute a linear map
+    and have `in_features` / `out_features` (e.g. a quantized Linear whose weight is packed);
+    both get the same peft LoRA layer, whose base call is the layer's own forward.
 
     The LoRA factors live on `device` (the compute device), or where each base weight is if
     None. A partial load leaves some base weights on the CPU (cast to the GPU per use): their
@@ -130,8 +144,9 @@ def attach_lora(
     if not names:
         raise ValueError("no layers to train: the target preset matched nothing in this model")
     modules = dict(model.named_modules())
+    linear_types = tuple(linear_types)
     for name in names:
-        if not isinstance(modules.get(name), torch.nn.Linear):
+        if not isinstance(modules.get(name), (torch.nn.Linear, *linear_types)):
             raise ValueError(f"{name!r} is not a Linear layer of this model")
     if initial is not None:
         for name, module in initial.items():
@@ -145,9 +160,9 @@ def attach_lora(
     grad_flags = {name: p.requires_grad for name, p in model.named_parameters()}
     attached = AttachedLora(model, names, grad_flags, frozenset(vars(model)))
     try:
-        inject_adapter_in_model(_lora_config(names, rank, alpha, dropout, initial), model)
+        inject_adapter_in_model(_lora_config(names, rank, alpha, dropout, initial, linear_types), model)
         for name, layer in attached.layers():
-            base_dtype = modules[name].weight.dtype
+            base_dtype = modules[name].weight.dtype  # a packed weight reports its compute dtype
             dtype = torch.float64 if base_dtype == torch.float64 else torch.float32
             layer.lora_A.to(device=device, dtype=dtype)
             layer.lora_B.to(device=device, dtype=dtype)

@@ -1,0 +1,131 @@
+"""Training never keeps a weight ComfyUI's cast handed a layer (nodes/cast_contract.py), under
+the CPU replay of ComfyUI 0.33's reused cast memory (kt_testing/cast_replay.py).
+
+Each test first shows the replay engaged (casts counted) and that a step which lets autograd
+keep the cast (the mechanism taken out, as on 70adb75) fails with the named symptom: wrong
+gradients with no error under dynamic VRAM's buffers, "modified by an inplace operation" under
+the shared stream buffers. With the mechanism, the gradients equal the plain run's (no replay)
+bit for bit, with and without block checkpointing."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from kt_testing import cast_replay
+from kt_testing.gradients import randomise_lora
+from kt_testing.probes import tiny_samples
+from kt_testing.tiny_models import tiny_flux_patcher
+
+
+@pytest.fixture(scope="module")
+def ft(pack):
+    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+
+
+@pytest.fixture(scope="module")
+def Sample(pack):
+    return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
+
+
+def step(ft, samples, checkpointing: bool, replay: str | None = None, keep_casts: bool = False):
+    """(loss, LoRA gradients, saved tensors that alias the replay buffer) of one step on a
+    tiny Flux; `keep_casts`: without the cast contract (70adb75's behaviour)."""
+    config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention", gradient_checkpointing=checkpointing)
+    model = tiny_flux_patcher(seed=6)
+    aliases = []
+    with torch.inference_mode(False), contextlib_replay(replay) as memory:
+        if memory is not None:
+            cast_replay.replay_for_patcher(model, memory)
+        install = ft.recast_in_backward
+        if keep_casts:
+            ft.recast_in_backward = lambda module: (lambda: None)
+        try:
+            with ft.flux_lora_session(model, config) as session:
+                randomise_lora(session, seed=3)
+
+                def pack_saved(tensor):
+                    if memory is not None and tensor.untyped_storage().data_ptr() == memory.base.data_ptr():
+                        aliases.append(tuple(tensor.shape))
+                    return tensor
+
+                with torch.autograd.graph.saved_tensors_hooks(pack_saved, lambda t: t):
+                    loss = session.loss(samples, torch.Generator().manual_seed(11))
+                grads = torch.autograd.grad(loss, session.lora.parameters())
+        finally:
+            ft.recast_in_backward = install
+    return loss.detach(), grads, aliases
+
+
+def contextlib_replay(kind):
+    import contextlib
+
+    return cast_replay.replay(kind) if kind else contextlib.nullcontext()
+
+
+@pytest.fixture(scope="module")
+def samples(Sample):
+    return tiny_samples(Sample, 2, 4, [(8, 6)])
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
+def test_dynamic_vram_buffers_break_a_step_that_keeps_casts_and_not_ours(ft, samples, checkpointing):
+    reference_loss, reference, _ = step(ft, samples, checkpointing)
+    before = cast_replay.REPLAYED["casts"]
+    loss, kept, aliases = step(ft, samples, checkpointing, replay="dynamic", keep_casts=True)
+    assert cast_replay.REPLAYED["casts"] > before  # the replay engaged
+    assert torch.equal(loss, reference_loss)  # the forward reads each cast at once: right
+    if not checkpointing:
+        assert aliases  # autograd kept views of the reused buffer...
+    wrong = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(kept, reference, strict=True))
+    print(f"\nkept casts: worst relative gradient error {wrong:.2e}")
+    assert wrong > 1e-2  # ...and the backward read another layer's weight, with no error
+
+    loss, ours, aliases = step(ft, samples, checkpointing, replay="dynamic")
+    assert not aliases  # nothing saved for the backward lies in ComfyUI's reused memory
+    assert torch.equal(loss, reference_loss)
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+
+
+def test_stream_buffers_fail_loudly_without_the_contract_and_train_with_it(ft, samples):
+    """The shared stream buffers (views of one base tensor): a refill bumps the version, so
+    autograd's check (run by the guard's backward, before any step) names it."""
+    _, reference, _ = step(ft, samples, checkpointing=True)
+    with pytest.raises(RuntimeError, match="modifies, in place, a tensor the backward needs"):
+        step(ft, samples, checkpointing=True, replay="stream", keep_casts=True)
+    _, ours, aliases = step(ft, samples, checkpointing=True, replay="stream")
+    assert not aliases
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+
+
+def test_the_contract_is_taken_off_when_training_ends(ft, samples):
+    model = tiny_flux_patcher(seed=6)
+    config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention")
+    with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
+        layer = session.diffusion_model.double_blocks[0].img_mlp[0]
+        assert "forward" in vars(layer)  # the recompute sits on frozen Linears too
+    assert "forward" not in vars(model.model.diffusion_model.double_blocks[0].img_mlp[0])
+
+
+def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack):
+    """checkpoint does not version-check its inputs: the recompute does, in autograd's words."""
+    import comfy.ops
+
+    cast_contract = importlib.import_module(f"{pack.__name__}.nodes.cast_contract")
+    layer = comfy.ops.manual_cast.Linear(4, 4)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.zeros_(layer.bias)
+    layer.comfy_cast_weights = True  # it casts per call: the recompute applies
+    remove = cast_contract.recast_in_backward(torch.nn.Sequential(layer))
+    try:
+        x = torch.randn(2, 4, requires_grad=True)
+        hidden = x * 2
+        out = layer(hidden)
+        hidden.add_(1)  # a later in-place step on the layer's input
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            out.sum().backward()
+    finally:
+        remove()
+    assert "forward" not in vars(layer)
