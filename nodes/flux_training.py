@@ -49,7 +49,7 @@ from pathlib import Path
 import torch
 
 from ..trainer_core import lora_file
-from ..trainer_core.autograd_safe import make_autograd_safe_
+from ..trainer_core.autograd_safe import make_autograd_safe_, put_back_
 from ..trainer_core.block_swap import BlockSwapper, choose_swapped
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
@@ -59,7 +59,7 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
-from .cast_contract import linear_names, recast_in_backward
+from .cast_contract import linear_names, quantized_layers, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
 from .forward_guard import check_training_backward, check_training_forward
@@ -229,6 +229,19 @@ def _without_pins(patcher, action) -> None:
             patcher.pin_weight_to_device(key)
 
 
+def refuse_fp8_scaled_on_quantized(model) -> None:
+    """fp8_scaled quantizes full-precision block weights; a MODEL loaded from a quantized file
+    already holds them in ComfyUI's quantized Linear (one line, before anything loads)."""
+    quantized = quantized_layers(model.model.diffusion_model)
+    if quantized:
+        raise ValueError(
+            f"fp8_mode 'fp8_scaled' re-quantizes full-precision weights, but this MODEL is already "
+            f"quantized ({len(quantized)} layers in ComfyUI's quantized format, e.g. {quantized[0]}: "
+            "a file such as *_fp8_scaled or *_fp8mixed). Set fp8_mode to as_loaded: training then "
+            "computes with the file's own fp8 weights."
+        )
+
+
 def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
@@ -259,12 +272,15 @@ def flux_lora_session(
         check_layout_fits(model, config.layout)  # also here: the headless path, tests
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
+            refuse_fp8_scaled_on_quantized(model)
             undo.enter_context(fp8_scaled_weights(clone))
         with as_the_executor_loads():
             comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
         undo.enter_context(held_for_training(clone))
         diffusion_model = clone.model.diffusion_model
-        _without_pins(clone, lambda: make_autograd_safe_(diffusion_model))
+        swapped = []
+        _without_pins(clone, lambda: make_autograd_safe_(diffusion_model, swapped))
+        undo.callback(put_back_, swapped)  # quantized weights return as loaded (see put_back_)
         names = target_module_names(linear_names(diffusion_model), config.targets)
         layers = dict(diffusion_model.named_modules())
         packed = {type(layers[n]) for n in names if not isinstance(layers[n], torch.nn.Linear)}

@@ -38,7 +38,7 @@ from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
-from .cast_contract import linear_names
+from .cast_contract import linear_names, stored_weight_bytes
 from .flux_training import FluxLoraSession, flux_lora_session
 from .model_family import flux_family, text_in
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
@@ -82,7 +82,7 @@ class TrainingOutcome:
 def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estimate:
     """The estimate for this model, dataset and config (shown before training starts)."""
     flux = model.model.diffusion_model
-    itemsize = flux.double_blocks[0].img_attn.qkv.weight.element_size()
+    itemsize = stored_weight_bytes(flux.double_blocks[0].img_attn.qkv)  # a quantized file: its fp8
     loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
     return estimate_vram(
         FluxShape.of(flux.params),

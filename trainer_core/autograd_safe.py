@@ -29,7 +29,7 @@ def autograd_unsafe(tensor: torch.Tensor) -> bool:
     return False
 
 
-def make_autograd_safe_(module: torch.nn.Module) -> int:
+def make_autograd_safe_(module: torch.nn.Module, replaced_log: list | None = None) -> int:
     """Replace the module's autograd-unsafe tensors (`autograd_unsafe`) by normal copies, in
     place; returns how many.
 
@@ -39,7 +39,8 @@ def make_autograd_safe_(module: torch.nn.Module) -> int:
     outputs. Safe tensors keep their identity, and a tensor shared by several modules (tied
     weights) is replaced by one copy, so they stay tied. Costs one
     tensor's copy at a time. Call it with inference mode off: a copy made inside is again an
-    inference tensor."""
+    inference tensor. With `replaced_log`, each swap is appended to it as (table, name,
+    original, copy) for `put_back_`."""
     replaced: dict[int, torch.Tensor] = {}
     for child in module.modules():
         for table in (child._parameters, child._buffers):
@@ -52,4 +53,25 @@ def make_autograd_safe_(module: torch.nn.Module) -> int:
                         copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
                     replaced[id(tensor)] = copy
                 table[name] = replaced[id(tensor)]
+                if replaced_log is not None:
+                    replaced_log.append((table, name, tensor, replaced[id(tensor)]))
     return len(replaced)
+
+
+def is_packed(tensor: torch.Tensor) -> bool:
+    """A tensor subclass holding packed values (e.g. a quantized weight), not a plain tensor."""
+    return type(tensor) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def put_back_(replaced_log: list, which=is_packed) -> int:
+    """Put the originals of `make_autograd_safe_`'s swaps that `which` selects back, where the
+    slot still holds the copy (a slot someone has set since keeps its new tensor); returns how
+    many. Packed weights go back as they were loaded: ComfyUI 0.3.75 cannot take the state dict
+    of a quantized weight under inference mode once it is a normal tensor."""
+    count = 0
+    for table, name, original, copy in reversed(replaced_log):
+        if which(original) and table.get(name) is copy:
+            table[name] = original
+            count += 1
+    replaced_log.clear()
+    return count

@@ -21,6 +21,7 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from kt_testing.cast_replay import CAST_REPLAY_ENV, replay  # noqa: E402
 from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
@@ -139,6 +140,13 @@ if os.environ.get(DEVICE_MOVES_ENV) == "1":  # this server's loads move weights 
     emulate_everywhere()
     logging.getLogger(__name__).warning(
         "kt test: loads move weights as onto a GPU (every ModelPatcher, on load and unload)"
+    )
+
+
+if os.environ.get(CAST_REPLAY_ENV):  # this server's casts reuse memory as 0.33's do on NVIDIA
+    replay(os.environ[CAST_REPLAY_ENV]).__enter__()  # for the server's lifetime
+    logging.getLogger(__name__).warning(
+        "kt test: casts of modules over 16 KiB reuse one buffer (%s)", os.environ[CAST_REPLAY_ENV]
     )
 
 

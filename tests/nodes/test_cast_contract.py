@@ -41,7 +41,7 @@ def step(ft, samples, checkpointing: bool, replay: str | None = None, keep_casts
             cast_replay.replay_for_patcher(model, memory)
         install = ft.recast_in_backward
         if keep_casts:
-            ft.recast_in_backward = lambda module: (lambda: None)
+            ft.recast_in_backward = lambda module: lambda: None
         try:
             with ft.flux_lora_session(model, config) as session:
                 randomise_lora(session, seed=3)

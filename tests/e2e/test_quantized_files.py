@@ -1,0 +1,62 @@
+"""The shipped Kontext training workflow on ComfyUI's quantized diffusion-model files, loaded by
+the stock UNETLoader through a real server: the demo's stock-size Flux with every block Linear
+quantized by ComfyUI's own code, in each on-disk form this ComfyUI reads (the older scaled_fp8
+form of `flux1-dev-kontext_fp8_scaled`, fp8mixed's `_quantization_metadata`, and 0.33's
+per-layer `comfy_quant`; kt_testing/quantized_files.py).
+
+On 70adb75 this failed with "no layers to train" on 0.33 (every form) and on 0.3.75 (fp8mixed).
+Run on a server that also replays 0.33's reused cast memory (kt_testing/cast_replay.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from safetensors.torch import load_file
+
+from kt_testing.cast_replay import CAST_REPLAY_ENV
+from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.quantized_files import FORMS, write_quantized_file
+from kt_testing.runs import progress_events
+from kt_testing.server import ComfyServer
+from trainer_core.lora_file import load
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory, stock_assets):
+    import demo_assets
+    import demo_dataset
+
+    base = tmp_path_factory.mktemp("quantized-files")
+    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, env={CAST_REPLAY_ENV: "dynamic"}) as running:
+        demo_assets.link_into_models(stock_assets, running.base_dir / "models")
+        demo_dataset.write_demo_dataset(running.base_dir / "input" / "kontext_demo", count=2)
+        yield running
+
+
+@pytest.mark.parametrize("form", FORMS)
+def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, form):
+    from kt_testing.quantized_files import forms_this_comfyui_loads
+
+    if form not in forms_this_comfyui_loads():
+        pytest.skip(f"this ComfyUI does not read the {form} form (0.33 does)")
+    name = f"kt-demo-flux-{form}.safetensors"
+    path = served.base_dir / "models" / "diffusion_models" / name
+    if not path.exists():
+        write_quantized_file(path, load_file(str(stock_assets["flux"])), form)
+    workflow = json.loads(
+        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
+    )
+    workflow["1"]["inputs"]["unet_name"] = name
+    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name=f"kt_quantized_{form}")
+    prompt_id, messages = served.run_prompt(workflow, timeout=600)
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    result = served.history(prompt_id)["outputs"]["5"]
+    assert len(result["loss"]) == 2 and all(math.isfinite(x) for x in result["loss"])
+    assert [p["step"] for p in progress_events(messages)[-1]["previews"]] == [2]
+    tensors, _ = load(served.base_dir / "models" / "loras" / f"kt_quantized_{form}.safetensors")
+    assert any("img_attn_qkv" in key for key in tensors)  # the quantized layers got the LoRA
+    assert "Using mixed precision operations" in served.log() or "scaled fp8" in served.log()
