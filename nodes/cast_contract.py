@@ -62,22 +62,6 @@ def linear_names(module: torch.nn.Module) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def quantized_layers(module: torch.nn.Module) -> list[str]:
-    """The names of ComfyUI's quantized Linears in `module` (a Linear that is no `nn.Linear`)."""
-    return [
-        name
-        for name, child in module.named_modules()
-        if is_linear(child) and not isinstance(child, torch.nn.Linear)
-    ]
-
-
-def stored_weight_bytes(layer: torch.nn.Module) -> int:
-    """Bytes per stored weight element: a quantized weight's packed values (`_qdata`, which
-    ComfyUI 0.3.75 and comfy-kitchen both keep), otherwise the weight's own element size."""
-    weight = layer.weight
-    return getattr(weight, "_qdata", weight).element_size()
-
-
 def casts_per_call(layer: torch.nn.Module) -> bool:
     """True when the layer's forward goes through `comfy.ops.cast_bias_weight` (what it returns
     may be reused memory): ComfyUI's quantized Linear always casts; an `nn.Linear` op casts when

@@ -59,8 +59,9 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
-from .cast_contract import linear_names, quantized_layers, recast_in_backward
+from .cast_contract import linear_names, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training
+from .comfy_quantized import check_fp8_backward, fp8_backward, quantized_layers
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
 from .forward_guard import check_training_backward, check_training_forward
 from .fp8_scaled import fp8_scaled_weights
@@ -273,6 +274,9 @@ def flux_lora_session(
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
             refuse_fp8_scaled_on_quantized(model)
+        if config.fp8_mode == "fp8_backward":
+            check_fp8_backward(model)
+            undo.enter_context(fp8_backward(True))
             undo.enter_context(fp8_scaled_weights(clone))
         with as_the_executor_loads():
             comfy.model_management.load_models_gpu([clone], memory_required=memory_required)

@@ -38,7 +38,8 @@ from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
-from .cast_contract import linear_names, stored_weight_bytes
+from .cast_contract import linear_names
+from .comfy_quantized import stored_weight_bytes, weight_formats
 from .flux_training import FluxLoraSession, flux_lora_session
 from .model_family import flux_family, text_in
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
@@ -320,6 +321,7 @@ def run_training(
         started_at=time.time(),
         session_id=secrets.randbits(31),
         family=family.image_model,
+        base_weights=weight_formats(model.model.diffusion_model),
     )
     checkpoints = CheckpointWriter(
         paths, config, record, facts, tracker, resuming=resume is not None, collective=collective

@@ -198,7 +198,7 @@ class ComfyServer:
         import websocket
 
         client_id = client_id or uuid.uuid4().hex
-        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=30)
+        ws = websocket.create_connection(f"ws://127.0.0.1:{self.port}/ws?clientId={client_id}", timeout=120)
         return ws, client_id
 
     def history(self, prompt_id: str, timeout: float = 30) -> dict:

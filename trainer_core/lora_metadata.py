@@ -56,6 +56,16 @@ class RunFacts:
     started_at: float  # time.time() when the run started
     session_id: int
     family: str = "flux"  # ComfyUI's image_model (`model_family.FAMILIES`)
+    # how the base model's Linear weights were stored: {"quantized": {format: layers} (a file in
+    # ComfyUI's quantized formats), "plain": {dtype: layers}}; None: not recorded
+    base_weights: dict | None = None
+
+
+def fp8_base(base_weights: dict | None) -> bool:
+    """True when any Linear of the base was stored in an 8-bit float (a quantized file, or
+    weight_dtype fp8): sd-scripts' `ss_fp8_base`."""
+    formats = {name for kind in (base_weights or {}).values() for name in kind}
+    return any(name.startswith("float8") for name in formats)
 
 
 def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[str, str]:
@@ -102,7 +112,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_resolution": f"({facts.resolution}, {facts.resolution})",
         "ss_caption_dropout_rate": str(config.caption_dropout),
         "ss_ip_noise_gamma": str(config.ip_noise_gamma),
-        "ss_fp8_base": str(config.fp8_mode == "fp8_scaled"),
+        "ss_fp8_base": str(config.fp8_mode == "fp8_scaled" or fp8_base(facts.base_weights)),
         "ss_model_type": "flux",
         "ss_guidance_scale": str(config.guidance),
         "ss_timestep_sampling": config.timestep_sampler,
@@ -135,6 +145,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "trainer_version": __version__,
         "dataset_hash": facts.dataset_hash,
         "base_model": facts.base_model,
+        "base_weights": facts.base_weights or {},
         "config": asdict(config),
     }
     ours_text = {

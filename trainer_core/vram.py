@@ -117,8 +117,9 @@ class FluxShape:
 
 
 def module_weight_bytes(module) -> int:
-    """Bytes of a module's parameters and buffers as they are stored (fp8 counts 1 byte)."""
-    tensors = [*module.parameters(), *module.buffers()]
+    """Bytes of a module's parameters and buffers as they are stored (fp8 counts 1 byte; a
+    quantized weight, a tensor subclass holding its packed values in `_qdata`, counts those)."""
+    tensors = [getattr(t, "_qdata", t) for t in [*module.parameters(), *module.buffers()]]
     return sum(t.numel() * t.element_size() for t in tensors)
 
 

@@ -1,0 +1,108 @@
+"""ComfyUI's quantized Linear (`comfy.ops.mixed_precision_ops`), as training meets it: which
+layers a MODEL holds that way and in which formats (for the VRAM estimate and the LoRA's
+metadata), and ComfyUI's fp8 backward (`comfy.model_management.training_fp8_bwd`, 0.33+) for
+`fp8_mode = fp8_backward`.
+
+A quantized file (the older `scaled_fp8` form on 0.33, fp8mixed's `_quantization_metadata`,
+0.33's per-layer `comfy_quant`) loads into that Linear: an `nn.Module`, not an `nn.Linear`,
+whose weight is a `QuantizedTensor` (packed values in `_qdata` plus scales). The older form on
+0.3.75 loads into `scaled_fp8_ops`, an `nn.Linear` with an fp8 weight: a plain fp8 layer here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import Counter
+
+import torch
+
+from .cast_contract import is_linear
+
+
+def holds_quantized_weight(layer: torch.nn.Module) -> bool:
+    """A ComfyUI Linear whose weight is a `QuantizedTensor` (a tensor subclass). On 0.3.75 every
+    Linear of a quantized model is the quantized class, the unquantized ones holding a plain
+    weight: the weight decides, not the class."""
+    weight = getattr(layer, "weight", None)
+    return isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter)
+
+
+def quantized_layers(module: torch.nn.Module) -> list[str]:
+    """The names of the Linears in `module` that hold a quantized weight."""
+    return [
+        name for name, child in module.named_modules() if is_linear(child) and holds_quantized_weight(child)
+    ]
+
+
+def stored_weight_bytes(layer: torch.nn.Module) -> int:
+    """Bytes per stored weight element: a quantized weight's packed values (`_qdata`, which
+    ComfyUI 0.3.75 and comfy-kitchen both keep), otherwise the weight's own element size."""
+    weight = layer.weight
+    return getattr(weight, "_qdata", weight).element_size()
+
+
+def quantized_format(layer: torch.nn.Module) -> str:
+    """The layer's format as ComfyUI names it in files (`float8_e4m3fn`, `nvfp4`, ...): 0.33
+    keeps it on the layer; 0.3.75 only its layout, which its format table maps back."""
+    name = getattr(layer, "quant_format", None)
+    if name:
+        return name
+    from comfy.quant_ops import QUANT_ALGOS
+
+    layout = getattr(layer, "layout_type", None)
+    return next((f for f, algo in QUANT_ALGOS.items() if algo["comfy_tensor_layout"] == layout), "unknown")
+
+
+def weight_formats(diffusion_model: torch.nn.Module) -> dict[str, dict[str, int]]:
+    """How the Linear weights are stored, counted: {"quantized": {format: layers}, "plain":
+    {dtype: layers}} (the LoRA metadata's `kontext_trainer.base_weights`)."""
+    quantized, plain = Counter(), Counter()
+    for _, layer in diffusion_model.named_modules():
+        if not is_linear(layer) or getattr(layer, "weight", None) is None:
+            continue
+        if holds_quantized_weight(layer):
+            quantized[quantized_format(layer)] += 1
+        else:
+            plain[str(layer.weight.dtype).removeprefix("torch.")] += 1
+    return {"quantized": dict(sorted(quantized.items())), "plain": dict(sorted(plain.items()))}
+
+
+def check_fp8_backward(model) -> None:
+    """One line, before anything loads, where `fp8_mode = fp8_backward` cannot run: a ComfyUI
+    without `training_fp8_bwd` (older than 0.33), a MODEL without quantized layers, or layers
+    this ComfyUI computes in full precision on this device (no fp8 compute: no fp8 matmul)."""
+    import comfy.model_management as mm
+
+    from .forward_guard import comfyui_version
+
+    if not hasattr(mm, "training_fp8_bwd"):
+        raise ValueError(
+            f"fp8_mode 'fp8_backward' needs ComfyUI 0.33 or newer (its training_fp8_bwd); this ComfyUI "
+            f"is {comfyui_version()}. Update ComfyUI, or choose as_loaded"
+        )
+    diffusion_model = model.model.diffusion_model
+    quantized = quantized_layers(diffusion_model)
+    if not quantized:
+        raise ValueError(
+            "fp8_mode 'fp8_backward' runs the backward of a quantized file's layers in fp8, but this "
+            "MODEL has none (load a quantized file such as *_fp8mixed with UNETLoader), or choose as_loaded"
+        )
+    if all(diffusion_model.get_submodule(name)._full_precision_mm for name in quantized):
+        raise ValueError(
+            "fp8_mode 'fp8_backward' needs fp8 matmuls, but ComfyUI computes this MODEL's quantized layers "
+            "in full precision on this device (no fp8 compute, or the file asks for it); choose as_loaded"
+        )
+
+
+@contextlib.contextmanager
+def fp8_backward(on: bool = True):
+    """ComfyUI's `training_fp8_bwd` set to `on` inside (its `QuantLinearFunc` reads it at each
+    forward), the previous value back after."""
+    import comfy.model_management as mm
+
+    previous = mm.training_fp8_bwd
+    mm.training_fp8_bwd = on
+    try:
+        yield
+    finally:
+        mm.training_fp8_bwd = previous
