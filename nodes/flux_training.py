@@ -274,10 +274,10 @@ def flux_lora_session(
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
             refuse_fp8_scaled_on_quantized(model)
-        if config.fp8_mode == "fp8_backward":
+            undo.enter_context(fp8_scaled_weights(clone))
+        if config.fp8_mode == "fp8_backward":  # ComfyUI's QuantLinearFunc reads it per forward
             check_fp8_backward(model)
             undo.enter_context(fp8_backward(True))
-            undo.enter_context(fp8_scaled_weights(clone))
         with as_the_executor_loads():
             comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
         undo.enter_context(held_for_training(clone))

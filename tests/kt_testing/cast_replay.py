@@ -10,11 +10,12 @@ sees none of this (`--cpu` turns dynamic VRAM off, and 0.33's CPU branch of `cas
 clones). `replay(kind)` makes a CPU process do it:
 
 - after every `ModelPatcher.load` (ComfyUI's `ON_LOAD` callback on every patcher made from
-  then on), each Linear whose weight is over 16 KiB gets `comfy_cast_weights = True`, as dynamic
-  VRAM marks it;
+  then on), each ComfyUI Linear (plain or quantized) whose stored weight is over 16 KiB gets
+  `comfy_cast_weights = True`, as dynamic VRAM marks it;
 - `comfy.ops.cast_bias_weight` (which every ComfyUI Linear calls through the module) hands
   such a layer, when the cast returned the stored weight itself (no dtype change, no weight
-  function), a copy of it in ONE shared buffer instead: `"dynamic"` fills the buffer through a
+  function), a copy of it in ONE shared buffer instead (a quantized weight: its packed values
+  there, rebuilt as a quantized weight): `"dynamic"` fills the buffer through a
   fresh tensor and returns a fresh tensor over it (each with its own version counter, aimdo's
   way: the next cast overwrites the memory and nothing notices); `"stream"` returns a view of
   one base tensor filled with `copy_` (the version bumps, as with the stream buffers).
@@ -73,17 +74,36 @@ class ReusedMemory:
         return over_memory()
 
 
+def _stored(weight: torch.Tensor) -> torch.Tensor:
+    """The tensor holding a weight's bytes: a quantized weight's packed values, or itself."""
+    return getattr(weight, "_qdata", weight)
+
+
 def _mark_dynamic(memory: ReusedMemory, patcher, *args) -> None:
     for module in patcher.model.modules():
         weight = getattr(module, "weight", None)
-        if not isinstance(module, torch.nn.Linear) or not isinstance(weight, torch.Tensor):
-            continue
-        nbytes = weight.numel() * weight.element_size()
+        if not hasattr(module, "comfy_cast_weights") or not isinstance(weight, torch.Tensor):
+            continue  # not a ComfyUI cast op
+        if not hasattr(module, "in_features"):
+            continue  # Linears only (plain and quantized)
+        stored = _stored(weight)
+        nbytes = stored.numel() * stored.element_size()
         if nbytes > DYNAMIC_MODULE_BYTES:
             module.comfy_cast_weights = True
             module.kt_cast_replayed = True
             memory.reserve(nbytes)
             REPLAYED["marked"] += 1
+
+
+def _in_reused_memory(memory: ReusedMemory, weight: torch.Tensor) -> torch.Tensor:
+    """`weight` with its stored bytes in the reused buffer: a plain tensor directly; a quantized
+    weight rebuilt around packed values there (its scales as they are)."""
+    if not hasattr(weight, "_qdata"):
+        return memory.hand_out(weight)
+    values = memory.hand_out(weight._qdata)
+    if hasattr(weight, "_layout_cls"):  # comfy-kitchen (ComfyUI 0.33)
+        return type(weight)(values, weight._layout_cls, weight._params)
+    return type(weight)(values, weight._layout_type, weight._layout_params)  # ComfyUI 0.3.75
 
 
 def _replaying(original, memory: ReusedMemory):
@@ -95,7 +115,7 @@ def _replaying(original, memory: ReusedMemory):
             if REPLAYED["casts"] == 0:
                 logging.getLogger(__name__).warning("%s (%s)", REPLAY_MARK, memory.kind)
             REPLAYED["casts"] += 1
-            return (memory.hand_out(weight), *result[1:])
+            return (_in_reused_memory(memory, weight), *result[1:])
         return result
 
     cast_bias_weight._kt_cast_replay = True
