@@ -21,7 +21,7 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
-from kt_testing.cast_replay import CAST_REPLAY_ENV, replay  # noqa: E402
+from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAYED, replay  # noqa: E402
 from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
@@ -144,10 +144,31 @@ if os.environ.get(DEVICE_MOVES_ENV) == "1":  # this server's loads move weights 
 
 
 if os.environ.get(CAST_REPLAY_ENV):  # this server's casts reuse memory as 0.33's do on NVIDIA
-    replay(os.environ[CAST_REPLAY_ENV]).__enter__()  # for the server's lifetime
+    _REPLAY = replay(os.environ[CAST_REPLAY_ENV])  # held: a dropped one would close and undo itself
+    _REPLAY.__enter__()  # for the server's lifetime
     logging.getLogger(__name__).warning(
         "kt test: casts of modules over 16 KiB reuse one buffer (%s)", os.environ[CAST_REPLAY_ENV]
     )
+
+
+class CastReplayCount:
+    """How many casts this server's replay handed out in reused memory so far (UI output)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "count"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"nonce": ("INT", {"default": 0, "min": 0})}}
+
+    @classmethod
+    def IS_CHANGED(cls, nonce):
+        return float("nan")  # always runs
+
+    def count(self, nonce):
+        return {"ui": {"casts": [REPLAYED["casts"]], "marked": [REPLAYED["marked"]]}}
 
 
 class LatentDigest:
@@ -178,4 +199,5 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_ModelDifference": ModelDifference,
     "KTTest_LatentDigest": LatentDigest,
+    "KTTest_CastReplayCount": CastReplayCount,
 }

@@ -37,18 +37,20 @@ def forms_this_comfyui_loads() -> tuple[str, ...]:
     return FORMS if comfy_reads_comfy_quant() else FORMS[:2]
 
 
-def quantize(weight: torch.Tensor, fmt: str = "float8_e4m3fn") -> tuple[torch.Tensor, torch.Tensor]:
-    """(fp8 values, float32 scale) from ComfyUI's own `QuantizedTensor.from_float`."""
+def quantize(weight: torch.Tensor, fmt: str = "float8_e4m3fn") -> dict[str, torch.Tensor]:
+    """The weight's tensors as ComfyUI stores them ({"weight": values, "weight_scale": ...,
+    more for block formats such as nvfp4's "weight_scale_2"}), from ComfyUI's own
+    `QuantizedTensor.from_float`."""
     from comfy.quant_ops import QUANT_ALGOS, QuantizedTensor
 
     if fmt not in QUANT_ALGOS:
         raise ValueError(f"this ComfyUI has no quantization format {fmt!r}")
     layout = QUANT_ALGOS[fmt]["comfy_tensor_layout"]
     if comfy_reads_comfy_quant():
-        parts = QuantizedTensor.from_float(weight, layout).state_dict("w")
-        return parts["w"], parts["w_scale"].float()
+        parts = QuantizedTensor.from_float(weight, layout).state_dict("weight")
+        return {key: value for key, value in parts.items()}
     quantized = QuantizedTensor.from_float(weight, layout, dtype=FORMATS[fmt])
-    return quantized._qdata, quantized._layout_params["scale"].float()
+    return {"weight": quantized._qdata, "weight_scale": quantized._layout_params["scale"].float()}
 
 
 def block_linear_layers(diffusion_model: torch.nn.Module) -> list[str]:
@@ -64,9 +66,8 @@ def quantized_tensors(state_dict: dict, layers: list[str], fmt: str, prefix: str
     """`state_dict` with `layers` quantized: (tensors, {layer: its configuration})."""
     out, config = dict(state_dict), {}
     for layer in layers:
-        values, scale = quantize(state_dict[f"{prefix}{layer}.weight"], fmt)
-        out[f"{prefix}{layer}.weight"] = values
-        out[f"{prefix}{layer}.weight_scale"] = scale
+        for key, value in quantize(state_dict[f"{prefix}{layer}.weight"], fmt).items():
+            out[f"{prefix}{layer}.{key}"] = value
         config[f"{prefix}{layer}"] = {"format": fmt}
     return out, config
 
