@@ -67,6 +67,25 @@ def weight_formats(diffusion_model: torch.nn.Module) -> dict[str, dict[str, int]
     return {"quantized": dict(sorted(quantized.items())), "plain": dict(sorted(plain.items()))}
 
 
+# The formats training has been proved on (tests/nodes/test_quantized_training.py): gradients
+# through ComfyUI's own layer against a dequantized reference.
+TRAINED_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "mxfp8", "int8_tensorwise")
+
+
+def check_trainable_formats(model) -> None:
+    """One line, before anything loads, for a MODEL holding layers in a quantized format no test
+    has trained through (ComfyUI's 4-bit integer formats, or one newer than this pack): it names
+    the format and what to load instead."""
+    formats = weight_formats(model.model.diffusion_model)["quantized"]
+    untried = sorted(set(formats) - set(TRAINED_FORMATS))
+    if untried:
+        raise ValueError(
+            f"this MODEL holds {sum(formats[f] for f in untried)} layers in ComfyUI's {', '.join(untried)} "
+            f"format, which Kontext Trainer does not train on yet (it trains {', '.join(TRAINED_FORMATS)}); "
+            "load this model's fp8 (e.g. *_fp8mixed, *_fp8_scaled) or bf16 file with UNETLoader instead"
+        )
+
+
 def check_fp8_backward(model) -> None:
     """One line, before anything loads, where `fp8_mode = fp8_backward` cannot run: a ComfyUI
     without `training_fp8_bwd` (older than 0.33), a MODEL without quantized layers, or layers
@@ -92,6 +111,23 @@ def check_fp8_backward(model) -> None:
             "fp8_mode 'fp8_backward' needs fp8 matmuls, but ComfyUI computes this MODEL's quantized layers "
             "in full precision on this device (no fp8 compute, or the file asks for it); choose as_loaded"
         )
+
+
+def check_quantized_model(model, fp8_mode: str) -> None:
+    """Every quantized-model refusal, each one line, before anything loads (TrainLoRA's first
+    check, the headless CLI, the training session): an untried format, fp8_scaled on a model
+    that is already quantized, fp8_backward where it cannot run."""
+    check_trainable_formats(model)
+    quantized = quantized_layers(model.model.diffusion_model)
+    if fp8_mode == "fp8_scaled" and quantized:
+        raise ValueError(
+            f"fp8_mode 'fp8_scaled' re-quantizes full-precision weights, but this MODEL is already "
+            f"quantized ({len(quantized)} layers in ComfyUI's quantized format, e.g. {quantized[0]}: "
+            "a file such as *_fp8_scaled or *_fp8mixed). Set fp8_mode to as_loaded: training then "
+            "computes with the file's own fp8 weights."
+        )
+    if fp8_mode == "fp8_backward":
+        check_fp8_backward(model)
 
 
 @contextlib.contextmanager

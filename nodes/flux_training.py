@@ -61,7 +61,7 @@ from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .cast_contract import linear_names, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training
-from .comfy_quantized import check_fp8_backward, fp8_backward, quantized_layers
+from .comfy_quantized import check_quantized_model, fp8_backward
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
 from .forward_guard import check_training_backward, check_training_forward
 from .fp8_scaled import fp8_scaled_weights
@@ -230,19 +230,6 @@ def _without_pins(patcher, action) -> None:
             patcher.pin_weight_to_device(key)
 
 
-def refuse_fp8_scaled_on_quantized(model) -> None:
-    """fp8_scaled quantizes full-precision block weights; a MODEL loaded from a quantized file
-    already holds them in ComfyUI's quantized Linear (one line, before anything loads)."""
-    quantized = quantized_layers(model.model.diffusion_model)
-    if quantized:
-        raise ValueError(
-            f"fp8_mode 'fp8_scaled' re-quantizes full-precision weights, but this MODEL is already "
-            f"quantized ({len(quantized)} layers in ComfyUI's quantized format, e.g. {quantized[0]}: "
-            "a file such as *_fp8_scaled or *_fp8mixed). Set fp8_mode to as_loaded: training then "
-            "computes with the file's own fp8 weights."
-        )
-
-
 def _rng_devices() -> list[int]:
     return [torch.cuda.current_device()] if torch.cuda.is_available() else []
 
@@ -271,12 +258,11 @@ def flux_lora_session(
     ):
         torch.manual_seed(config.seed)
         check_layout_fits(model, config.layout)  # also here: the headless path, tests
+        check_quantized_model(model, config.fp8_mode)
         clone = with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
-            refuse_fp8_scaled_on_quantized(model)
             undo.enter_context(fp8_scaled_weights(clone))
         if config.fp8_mode == "fp8_backward":  # ComfyUI's QuantLinearFunc reads it per forward
-            check_fp8_backward(model)
             undo.enter_context(fp8_backward(True))
         with as_the_executor_loads():
             comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
@@ -304,9 +290,7 @@ def flux_lora_session(
         # before any step: the training path computes what ComfyUI's own forward computes
         remove_hooks = install_trainable_blocks(clone, config.gradient_checkpointing)
         try:
-            check_training_forward(
-                clone, sampling_options(clone), _compute_dtype(clone.model), config.layout
-            )
+            check_training_forward(clone, sampling_options(clone), _compute_dtype(clone.model), config.layout)
         finally:
             remove_hooks()
         # and a backward without checkpointing (where autograd's in-place check runs) is sound

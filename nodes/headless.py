@@ -38,6 +38,7 @@ from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
 from ..trainer_core.run_files import LoraPaths
+from .comfy_quantized import check_quantized_model
 from .load_kontext_dataset import load_dataset
 from .model_family import check_model_fits
 from .train_lora import (
@@ -303,6 +304,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
         in_section("train", lambda: check_run_resume(run, state, config, dataset))
         in_section("model", lambda: check_model_fits(model, dataset, config.train.layout))
+        in_section("train", lambda: check_quantized_model(model, config.train.fp8_mode))
         if run.resume is not None:
             say(f"resuming {run.resume}", rank)
         printer = ProgressPrinter(rank)

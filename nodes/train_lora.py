@@ -23,6 +23,7 @@ from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths, snapshot_steps
+from .comfy_quantized import check_quantized_model
 from .extension_ids import node_id
 from .load_kontext_dataset import Dataset
 from .model_family import check_model_fits
@@ -314,6 +315,7 @@ class TrainLoRA(io.ComfyNode):
             check_resume(read_state(resume_path), config, dataset.content_hash)
         start_path = resolve_start(start_from_lora) if resume_path is None else None
         check_model_fits(model, dataset, config.layout)
+        check_quantized_model(model, config.fp8_mode)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)

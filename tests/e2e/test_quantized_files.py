@@ -60,3 +60,28 @@ def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, f
     tensors, _ = load(served.base_dir / "models" / "loras" / f"kt_quantized_{form}.safetensors")
     assert any("img_attn_qkv" in key for key in tensors)  # the quantized layers got the LoRA
     assert "Using mixed precision operations" in served.log() or "scaled fp8" in served.log()
+
+
+@pytest.mark.parametrize(
+    ("fp8_mode", "words"),
+    [("fp8_scaled", "already quantized"), ("fp8_backward", "fp8_backward")],
+)
+def test_a_mode_that_cannot_run_on_a_quantized_file_is_one_line_before_any_step(
+    served, stock_assets, fp8_mode, words
+):
+    name = "kt-demo-flux-quantization_metadata.safetensors"
+    path = served.base_dir / "models" / "diffusion_models" / name
+    if not path.exists():
+        write_quantized_file(path, load_file(str(stock_assets["flux"])), "quantization_metadata")
+    workflow = json.loads(
+        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
+    )
+    workflow["1"]["inputs"]["unet_name"] = name
+    workflow["5"]["inputs"].update(
+        steps=2, save_every=0, lora_name=f"kt_refused_{fp8_mode}", fp8_mode=fp8_mode
+    )
+    _, messages = served.run_prompt(workflow, timeout=600)
+    assert messages[-1]["type"] == "execution_error"
+    error = messages[-1]["data"]["exception_message"].strip()
+    assert words in error and "\n" not in error, error
+    assert not progress_events(messages)  # refused before any step

@@ -419,3 +419,18 @@ def test_block_swap_on_a_quantized_model_gives_the_same_gradients(mods):
             )
     assert torch.isfinite(results[1]).all()
     assert torch.equal(results[0], results[1])
+
+
+def test_a_format_no_test_has_trained_is_refused_naming_it(mods, pack_import, monkeypatch):
+    comfy_quantized = pack_import("nodes.comfy_quantized")
+    monkeypatch.setattr(comfy_quantized, "TRAINED_FORMATS", ("nvfp4",))  # as if e4m3 were untried
+    quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
+    with pytest.raises(
+        ValueError, match=r"in ComfyUI's float8_e4m3fn format, .* load this model's fp8"
+    ) as refused:
+        with (
+            torch.inference_mode(False),
+            mods.ft.flux_lora_session(flux_patcher(quantized), mods.ft.TrainConfig()),
+        ):
+            pass
+    assert "\n" not in str(refused.value) and "no layers to train" not in str(refused.value)

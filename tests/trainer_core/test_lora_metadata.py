@@ -199,3 +199,23 @@ def test_hashes_of_a_file_over_a_mebibyte_by_hand(tmp_path):
     window = reference[0x100000 : 0x100000 + 0x10000]
     assert len(window) == 0x10000
     assert metadata["sshs_legacy_hash"] == hashlib.sha256(window).hexdigest()[:8]
+
+
+def test_the_base_weights_storage_is_recorded_and_fp8_bases_say_so():
+    """`kontext_trainer.base_weights` records how the base's Linears were stored (issue 29's key);
+    `ss_fp8_base` (sd-scripts: the base ran in fp8) is True for any fp8 storage."""
+    cases = {
+        "quantized file": ({"quantized": {"float8_e4m3fn": 38}, "plain": {"bfloat16": 6}}, "True"),
+        "weight_dtype fp8": ({"quantized": {}, "plain": {"float8_e5m2": 44}}, "True"),
+        "nvfp4": ({"quantized": {"nvfp4": 38}, "plain": {"bfloat16": 6}}, "False"),
+        "bf16": ({"quantized": {}, "plain": {"bfloat16": 44}}, "False"),
+    }
+    for name, (weights, fp8) in cases.items():
+        metadata = training_metadata(config(), dataclasses.replace(FACTS, base_weights=weights), 5)
+        assert json.loads(metadata["kontext_trainer.base_weights"]) == weights, name
+        assert metadata["ss_fp8_base"] == fp8, name
+    unrecorded = training_metadata(config(), FACTS, 5)
+    assert json.loads(unrecorded["kontext_trainer.base_weights"]) == {}
+    assert unrecorded["ss_fp8_base"] == "False"
+    scaled = training_metadata(dataclasses.replace(config(), fp8_mode="fp8_scaled"), FACTS, 5)
+    assert scaled["ss_fp8_base"] == "True"
