@@ -105,13 +105,14 @@ class RecastInBackward:
 
 
 def recast_in_backward(diffusion_model: torch.nn.Module):
-    """Give every Linear of `diffusion_model` (`is_linear`, LoRA base layers included) the
+    """Give every ComfyUI Linear of `diffusion_model` (`is_linear`, LoRA base layers included) the
     per-layer recompute; returns the function that takes it off again (the MODEL is shared:
     call it when training ends). Layers are found now: attach the LoRA first or after, either
     way the base layers are the same objects."""
     wrapped = []
     for layer in diffusion_model.modules():
-        if is_linear(layer) and not isinstance(vars(layer).get("forward"), RecastInBackward):
+        comfy_op = hasattr(layer, "comfy_cast_weights")  # not the LoRA's own torch Linears
+        if is_linear(layer) and comfy_op and not isinstance(vars(layer).get("forward"), RecastInBackward):
             layer.forward = RecastInBackward(layer)
             wrapped.append(layer.forward)
 

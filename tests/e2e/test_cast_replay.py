@@ -122,3 +122,24 @@ def test_cancel_then_resume_gives_the_plain_servers_lora(servers):
         replaying, training_graph(dataset(replaying), "kt_replay_cut", resume_from=choice, **recipe)
     )
     assert same_lora(resumed, reference)
+
+
+@pytest.mark.slow
+def test_the_demo_workflow(servers, stock_assets):
+    """example_workflows/api/kontext_lora_training.json on the stock loaders and the demo's
+    stock-size Flux (every block Linear over 16 KiB: all replayed), cut to two steps with the
+    preview at the end."""
+    import json
+
+    import demo_assets
+    import demo_dataset
+    from kt_testing.paths import REPO_ROOT
+
+    for server in servers:
+        demo_assets.link_into_models(stock_assets, server.base_dir / "models")
+        demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
+    workflow = json.loads(
+        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
+    )
+    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name="kt_replay_demo")
+    on_both(servers, workflow)

@@ -202,7 +202,8 @@ def test_after_training_the_model_gives_its_state_dict_in_the_executor(mods):
         mods.ft.flux_lora_session(flux_patcher(quantized), mods.ft.TrainConfig()),
     ):
         assert qkv.weight is not loaded  # training computes with an autograd-usable copy
-    assert qkv.weight is loaded
+    # as loaded again (0.3.75), or what ComfyUI's own unload made of it (0.33 re-wraps quantized
+    # weights whenever it moves them): either way the executor can read the state dict
     with torch.inference_mode():
         assert "double_blocks.0.img_attn.qkv.weight" in quantized.diffusion_model.state_dict()
 
