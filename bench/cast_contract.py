@@ -83,7 +83,8 @@ def main() -> None:
 
         ours, former = "recast in backward (ours)", "cast kept by autograd (70adb75)"
         print(
-            f"{'block checkpointing':20s} {'design':34s} {'s/step':>8s} {'time':>6s} {'saved MiB':>10s} {'saved':>6s}"
+            f"{'block checkpointing':20s} {'design':34s} {'s/step':>8s} {'time':>6s} "
+            f"{'saved MiB':>10s} {'saved':>6s}"
         )
         for checkpointing in (False, True):
             results = {ours: [], former: []}
