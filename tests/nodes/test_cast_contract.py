@@ -21,13 +21,8 @@ from kt_testing.tiny_models import tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
-def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
-
-
-@pytest.fixture(scope="module")
-def Sample(pack):
-    return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
+def ft(pack_import):
+    return pack_import("nodes.flux_training")
 
 
 def step(
@@ -69,8 +64,8 @@ def contextlib_replay(kind):
 
 
 @pytest.fixture(scope="module")
-def samples(Sample):
-    return tiny_samples(Sample, 2, 4, [(8, 6)])
+def samples(pack_import):
+    return tiny_samples(pack_import("trainer_core.flow_step").Sample, 2, 4, [(8, 6)])
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])

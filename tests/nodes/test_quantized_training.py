@@ -164,13 +164,18 @@ def test_training_a_quantized_model_learns_and_leaves_it_untouched(mods):
     )
 
 
+def assert_refused_in_one_line(mods, model, config, words: str) -> None:
+    """The session refuses `model` with a one-line ValueError matching `words`, before any step."""
+    with pytest.raises(ValueError, match=words) as refused:
+        with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(model), config):
+            pass
+    assert "\n" not in str(refused.value) and "no layers to train" not in str(refused.value)
+
+
 def test_fp8_scaled_on_a_quantized_model_is_refused_in_one_line(mods):
     quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
     config = mods.ft.TrainConfig(fp8_mode="fp8_scaled")
-    with pytest.raises(ValueError, match=r"already quantized .*Set fp8_mode to as_loaded") as refused:
-        with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(quantized), config):
-            pass
-    assert "\n" not in str(refused.value)
+    assert_refused_in_one_line(mods, quantized, config, r"already quantized .*Set fp8_mode to as_loaded")
 
 
 def test_the_stored_bytes_and_formats_are_read_from_the_quantized_layers(pack_import):
@@ -328,10 +333,7 @@ def test_fp8_backward_is_refused_in_one_line_where_it_cannot_run(mods):
     if hasattr(mm, "training_fp8_bwd"):  # this CPU has no fp8 compute: ComfyUI computes in full precision
         cases.append((quantized, "in full precision on this device"))
     for model, words in cases:
-        with pytest.raises(ValueError, match=words) as refused:
-            with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(model), config):
-                pass
-        assert "\n" not in str(refused.value)
+        assert_refused_in_one_line(mods, model, config, words)
 
 
 def test_the_stored_size_counts_the_packed_values(pack_import):
@@ -426,12 +428,5 @@ def test_a_format_no_test_has_trained_is_refused_naming_it(mods, pack_import, mo
     comfy_quantized = pack_import("nodes.comfy_quantized")
     monkeypatch.setattr(comfy_quantized, "TRAINED_FORMATS", ("nvfp4",))  # as if e4m3 were untried
     quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
-    with pytest.raises(
-        ValueError, match=r"in ComfyUI's float8_e4m3fn format, .* load this model's fp8"
-    ) as refused:
-        with (
-            torch.inference_mode(False),
-            mods.ft.flux_lora_session(flux_patcher(quantized), mods.ft.TrainConfig()),
-        ):
-            pass
-    assert "\n" not in str(refused.value) and "no layers to train" not in str(refused.value)
+    words = r"in ComfyUI's float8_e4m3fn format, .* load this model's fp8"
+    assert_refused_in_one_line(mods, quantized, mods.ft.TrainConfig(), words)
