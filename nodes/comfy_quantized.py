@@ -118,7 +118,14 @@ def check_quantized_model(model, fp8_mode: str) -> None:
     check, the headless CLI, the training session): an untried format, fp8_scaled on a model
     that is already quantized, fp8_backward where it cannot run."""
     check_trainable_formats(model)
-    quantized = quantized_layers(model.model.diffusion_model)
+    diffusion_model = model.model.diffusion_model
+    quantized = quantized_layers(diffusion_model) + [
+        # ComfyUI 0.3.75 loads the older scaled_fp8 form as fp8 `nn.Linear`s with a `scale_weight`
+        name
+        for name, layer in diffusion_model.named_modules()
+        if isinstance(layer, torch.nn.Linear)
+        and isinstance(getattr(layer, "scale_weight", None), torch.Tensor)
+    ]
     if fp8_mode == "fp8_scaled" and quantized:
         raise ValueError(
             f"fp8_mode 'fp8_scaled' re-quantizes full-precision weights, but this MODEL is already "

@@ -430,3 +430,31 @@ def test_a_format_no_test_has_trained_is_refused_naming_it(mods, pack_import, mo
     quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
     words = r"in ComfyUI's float8_e4m3fn format, .* load this model's fp8"
     assert_refused_in_one_line(mods, quantized, mods.ft.TrainConfig(), words)
+
+
+def test_fp8_scaled_on_comfyui_0375s_scaled_fp8_model_is_refused(mods):
+    """0.3.75 loads the older scaled_fp8 form into `nn.Linear`s holding fp8 values and a
+    `scale_weight`: re-quantizing those values without their scale would train another model."""
+    import comfy.supported_models
+
+    from kt_testing.quantized_files import comfy_reads_comfy_quant, in_form, quantized_tensors
+    from kt_testing.tiny_models import build_flux_model, for_this_comfyui
+
+    if comfy_reads_comfy_quant():
+        pytest.skip("ComfyUI 0.33 converts the scaled_fp8 form to its quantized Linear (tested above)")
+    plain = build_flux_model(TINY_FLUX_CONFIG, 1)
+    state = plain.diffusion_model.state_dict()
+    tensors, _ = in_form(
+        *quantized_tensors(state, block_linear_layers(plain.diffusion_model), "float8_e4m3fn"), "scaled_fp8"
+    )
+    model_config = comfy.supported_models.Flux(for_this_comfyui(TINY_FLUX_CONFIG))
+    model_config.scaled_fp8 = torch.float8_e4m3fn
+    model_config.set_inference_dtype(torch.float8_e4m3fn, torch.float32)
+    with torch.inference_mode():
+        model = model_config.get_model({})
+        tensors.pop("scaled_fp8")
+        model.diffusion_model.load_state_dict(tensors, strict=False)
+    qkv = model.diffusion_model.double_blocks[0].img_attn.qkv
+    assert isinstance(qkv, torch.nn.Linear) and qkv.weight.dtype == torch.float8_e4m3fn
+    config = mods.ft.TrainConfig(fp8_mode="fp8_scaled")
+    assert_refused_in_one_line(mods, model, config, r"already quantized .*Set fp8_mode to as_loaded")
