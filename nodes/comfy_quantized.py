@@ -16,6 +16,7 @@ from collections import Counter
 
 import torch
 
+from ..trainer_core.autograd_safe import is_packed
 from .cast_contract import is_linear
 
 
@@ -24,7 +25,7 @@ def holds_quantized_weight(layer: torch.nn.Module) -> bool:
     Linear of a quantized model is the quantized class, the unquantized ones holding a plain
     weight: the weight decides, not the class."""
     weight = getattr(layer, "weight", None)
-    return isinstance(weight, torch.Tensor) and type(weight) not in (torch.Tensor, torch.nn.Parameter)
+    return isinstance(weight, torch.Tensor) and is_packed(weight)
 
 
 def quantized_layers(module: torch.nn.Module) -> list[str]:
