@@ -134,6 +134,11 @@ def _load(variant: str, args):
         return transformer, transformer, variants
     from kt_testing.comfy_runtime import boot
 
+    dynamic = getattr(args, "loading", "plain") == "dynamic"
+    if dynamic:  # ComfyUI 0.33's dynamic VRAM, emulated on the CPU (kt_testing/dynamic_vram.py)
+        import comfy_aimdo.control  # before ComfyUI imports aimdo's submodules, as main.py
+
+        comfy_aimdo.control.init()
     # ComfyUI picks its attention at start-up: on the CPU sub-quadratic by default, PyTorch's
     # SDPA on NVIDIA GPUs (and with --use-pytorch-cross-attention).
     runtime = boot(Path(args.base_dir), {"use_pytorch_cross_attention": args.attention == "pytorch"})
@@ -142,6 +147,17 @@ def _load(variant: str, args):
     demo_assets.link_into_models(paths, runtime.base_dir / "models")
     import comfy.model_management
 
+    if dynamic:
+        import torch
+
+        from kt_testing.dynamic_vram import emulate
+
+        emulate()
+        # as in ComfyUI's executor: the file's read-only mapped weights, as inference tensors
+        with torch.inference_mode():
+            (model,) = runtime.nodes.UNETLoader().load_unet(paths["flux"].name, "default")
+            comfy.model_management.load_models_gpu([model])
+        return model, model.model.diffusion_model, variants
     # Loaded outside inference mode, unlike in ComfyUI's executor: the native node cannot train
     # on inference-tensor weights (Flux's QK-norm `scale` is saved for backward and raises).
     (model,) = runtime.nodes.UNETLoader().load_unet(paths["flux"].name, "default")
@@ -153,13 +169,17 @@ def worker(args) -> None:
     model, transformer, variants = _load(args.worker, args)
     if args.worker == "prepare":
         return
+    from kt_testing.dynamic_vram import AnonymousPeak
+
     inputs = variants.make_inputs(args.size)
     base_rss = _memory_kib("VmRSS")
     _reset_peak_rss()
+    anonymous = AnonymousPeak()  # RssAnon: a mapped model's pages are file memory, a copy is not
     clock = Clock(transformer, min_tokens=inputs.context.shape[1])
     trained = variants.VARIANTS[args.worker](model, inputs, args)
     clock.close()
     peak = _memory_kib("VmHWM")
+    anonymous_seen = anonymous.reset()
     steps = clock.step_seconds()
     if len(steps) != args.warmup + args.steps:
         raise RuntimeError(f"timed {len(steps)} optimizer steps, expected {args.warmup + args.steps}")
@@ -175,6 +195,9 @@ def worker(args) -> None:
         "base_rss_kib": base_rss,
         "peak_rss_kib": peak,
         "growth_kib": peak - base_rss,
+        "anon_growth_kib": anonymous_seen["peak_kib"] - anonymous_seen["base_kib"],
+        "loading": getattr(args, "loading", "plain"),
+        "fp8_mode": getattr(args, "fp8_mode", "as_loaded"),
         "layers": trained.layers,
         "adapted": trained.adapted,
         "trainable": trained.trainable,
@@ -190,6 +213,8 @@ def _run_worker(variant: str, size: int, base_dir: str, args) -> dict | None:
     command = [sys.executable, __file__, "--worker", variant, "--base-dir", base_dir]
     command += ["--size", str(size), "--steps", str(args.steps), "--warmup", str(args.warmup)]
     command += ["--rank", str(args.rank), "--attention", args.attention]
+    command += ["--loading", getattr(args, "loading", "plain")]
+    command += ["--fp8-mode", getattr(args, "fp8_mode", "as_loaded")]
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     if done.returncode or (variant != "prepare" and not lines):
@@ -282,6 +307,10 @@ def main() -> None:
         "--table-from", type=Path, nargs="+", help="print the table from saved result files; run nothing"
     )
     parser.add_argument("--worker", choices=(*VARIANTS, "prepare"), help=argparse.SUPPRESS)
+    parser.add_argument("--loading", choices=("plain", "dynamic"), default="plain", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--fp8-mode", choices=("as_loaded", "fp8_scaled"), default="as_loaded", help=argparse.SUPPRESS
+    )
     parser.add_argument("--base-dir", help=argparse.SUPPRESS)
     parser.add_argument("--size", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -71,6 +71,7 @@ def run_ours(model, inputs: Inputs, args, targets: str | None = None) -> Trained
     loop = _pack("trainer_core.loop")
     sample = flow_step.Sample(inputs.target[0], inputs.context[0], inputs.pooled[0], [inputs.reference[0]])
     overrides = {"targets": targets} if targets else {}
+    overrides["fp8_mode"] = getattr(args, "fp8_mode", "as_loaded")
     config = ft.TrainConfig(steps=args.warmup + args.steps, **overrides)  # every other field: default
     with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
         parameters = session.lora.parameters()

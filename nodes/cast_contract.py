@@ -76,6 +76,28 @@ def casts_per_call(layer: torch.nn.Module) -> bool:
     )
 
 
+RESIDENT_VIEWS = ("_v_weight", "_v_bias")  # ComfyUI 0.33: a vbar-resident layer's cached cast
+
+
+def own_resident_views(layer: torch.nn.Module) -> int:
+    """Under dynamic VRAM, a layer whose weights are still resident in its vbar pages hands out
+    the views it cached at its last cast (`_v_weight`, `_v_bias`). A view cached by sampling
+    (under inference mode) is an inference tensor, which autograd refuses to save ("Inference
+    tensors cannot be saved for backward"). Such views are replaced by normal tensors over the
+    same VRAM (`shared_copy`: no copy); returns how many."""
+    from ..trainer_core.autograd_safe import shared_copy
+
+    count = 0
+    for name in RESIDENT_VIEWS:
+        view = vars(layer).get(name)
+        if isinstance(view, torch.Tensor) and view.is_inference():
+            shared = shared_copy(view)
+            if shared is not None:
+                setattr(layer, name, shared)
+                count += 1
+    return count
+
+
 class RecastInBackward:
     """A layer's `forward`, run under a per-layer checkpoint when it casts and its input needs
     a gradient (see the module docstring). Installed as an instance attribute over the class's
@@ -90,6 +112,7 @@ class RecastInBackward:
     def __call__(self, x, *args, **kwargs):
         if not (torch.is_grad_enabled() and x.requires_grad and casts_per_call(self.layer)):
             return self.forward(x, *args, **kwargs)
+        own_resident_views(self.layer)
         version = x._version
 
         def run(x):

@@ -14,10 +14,21 @@ from types import ModuleType
 
 
 def boot(
-    root: Path, pack_root: Path, package: str, base_directory: Path | None, use_cuda: bool
+    root: Path,
+    pack_root: Path,
+    package: str,
+    base_directory: Path | None,
+    use_cuda: bool,
+    dynamic_vram: bool = True,
 ) -> ModuleType:
     """ComfyUI (at `root`) in this process, set as `main.py` sets it (`--cpu` unless
-    `use_cuda`, `--base-directory`), then the pack (at `pack_root`) imported as `package`."""
+    `use_cuda`, `--base-directory`), then the pack (at `pack_root`) imported as `package`.
+
+    On a GPU it loads models the way the server does on the same machine: ComfyUI's
+    `cuda_malloc` picks the allocator (cudaMallocAsync where `main.py` would) before CUDA
+    starts, and on a ComfyUI with dynamic VRAM (0.33) comfy-aimdo is set up as `main.py` sets it
+    up, unless `dynamic_vram` is False (the CLI's --disable-dynamic-vram). The mode chosen, and
+    why, is printed (`loading_mode`)."""
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     import torch
@@ -27,8 +38,15 @@ def boot(
     args.disable_auto_launch = True
     if base_directory is not None:
         args.base_directory = str(base_directory)
-    if use_cuda:  # this process's GPU (torchrun: LOCAL_RANK), before ComfyUI picks its device
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    has_dynamic_vram = hasattr(args, "disable_dynamic_vram")
+    if has_dynamic_vram and not dynamic_vram:
+        args.disable_dynamic_vram = True
+    aimdo = None
+    if use_cuda:
+        importlib.import_module("cuda_malloc")  # ComfyUI's allocator choice, before CUDA starts
+        if has_dynamic_vram and _enables_dynamic_vram():
+            aimdo = _init_aimdo(args)  # before comfy imports aimdo's submodules, as main.py
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # torchrun: this process's GPU
     import comfy.model_management  # noqa: F401  (device selection reads args)
     import folder_paths
 
@@ -38,7 +56,73 @@ def boot(
     # on sys.path, where comfy/utils.py would shadow it)
     for module in ("utils.extra_config", "execution", "server", "nodes"):
         importlib.import_module(module)
+    on = aimdo is not None and _enable_dynamic_vram(aimdo)
+    print(f"[kontext-trainer] {loading_mode(use_cuda, has_dynamic_vram, dynamic_vram, on)}", flush=True)
     return import_pack(pack_root, package)
+
+
+def loading_mode(use_cuda: bool, has_dynamic_vram: bool, wanted: bool, on: bool) -> str:
+    """One line: how this process loads models, and why."""
+    if on:
+        return (
+            "dynamic VRAM on (comfy-aimdo), as ComfyUI's server on this GPU: weights stay mapped from "
+            "the file and stream to the GPU (--disable-dynamic-vram turns it off)"
+        )
+    if not use_cuda:
+        return "dynamic VRAM off: training on the CPU"
+    if not has_dynamic_vram:
+        return "dynamic VRAM off: this ComfyUI predates it (0.33 has it)"
+    if not wanted:
+        return "dynamic VRAM off (--disable-dynamic-vram): weights load into RAM, then the GPU"
+    return "dynamic VRAM off: ComfyUI does not support it on this GPU or PyTorch (as its server)"
+
+
+def _enables_dynamic_vram() -> bool:
+    from comfy.cli_args import enables_dynamic_vram
+
+    return enables_dynamic_vram()
+
+
+def _init_aimdo(args):
+    """comfy-aimdo's control, initialised with `main.py`'s settings; None without it."""
+    try:
+        import comfy_aimdo.control
+    except ImportError:
+        return None
+    headroom = None if args.reserve_vram is None else int(args.reserve_vram * 1024**3)
+    pressure = not getattr(args, "disable_nvml_pressure", False)
+    newest = {"simple_vram_headroom": headroom, "nvml_pressure": pressure}
+    protocols = (newest, {"simple_vram_headroom": headroom}, {})
+    for options in protocols:  # comfy-aimdo's protocols, newest first, as main.py tries them
+        try:
+            comfy_aimdo.control.init(**options)
+            return comfy_aimdo.control
+        except TypeError:
+            continue
+    return None
+
+
+def _enable_dynamic_vram(control) -> bool:
+    """`main.py`'s switch to dynamic VRAM, where it would make it: NVIDIA (or ROCm >= 7.14) with
+    PyTorch >= 2.8 and aimdo's devices up."""
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+
+    supported = mm.is_nvidia() or (mm.is_amd() and getattr(mm, "rocm_version", (0, 0)) >= (7, 14))
+    if not supported or mm.torch_version_numeric < (2, 8):
+        return False
+    from comfy.cli_args import args
+
+    devices = mm.get_all_torch_devices()
+    try:
+        ready = control.init_devices((d.index, int(args.vram_headroom * 1024**3)) for d in devices)
+    except TypeError:
+        ready = control.init_devices(d.index for d in devices)
+    if ready:
+        comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+        comfy.memory_management.aimdo_enabled = True
+    return bool(ready)
 
 
 def import_pack(pack_root: Path, package: str) -> ModuleType:

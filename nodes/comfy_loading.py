@@ -23,6 +23,14 @@ def as_the_executor_loads():
     return torch.inference_mode()
 
 
+def is_dynamic(patcher) -> bool:
+    """True for ComfyUI 0.33's dynamic-VRAM patcher (`ModelPatcherDynamic`, the stock loaders'
+    default on NVIDIA): weights stay where the loader put them (a read-only memory map of the
+    file) and are cast per forward."""
+    check = getattr(patcher, "is_dynamic", None)
+    return bool(check and check())
+
+
 def loaded_entries(match) -> list:
     import comfy.model_management
 

@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
+import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +50,7 @@ from pathlib import Path
 import torch
 
 from ..trainer_core import lora_file
-from ..trainer_core.autograd_safe import make_autograd_safe_, put_back_
+from ..trainer_core.autograd_safe import is_packed, make_autograd_safe_, put_back_
 from ..trainer_core.block_swap import BlockSwapper, choose_swapped
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
@@ -60,7 +61,7 @@ from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
 from .cast_contract import linear_names, recast_in_backward
-from .comfy_loading import as_the_executor_loads, held_for_training
+from .comfy_loading import as_the_executor_loads, held_for_training, is_dynamic
 from .comfy_quantized import check_quantized_model, fp8_backward
 from .flux_blocks import comfy_training_mode, install_trainable_blocks
 from .forward_guard import check_training_backward, check_training_forward
@@ -264,12 +265,17 @@ def flux_lora_session(
             undo.enter_context(fp8_scaled_weights(clone))
         if config.fp8_mode == "fp8_backward":  # ComfyUI's QuantLinearFunc reads it per forward
             undo.enter_context(fp8_backward(True))
+        if is_dynamic(clone):  # a dirty load: no cast view cached by earlier sampling is reused
+            clone.patches_uuid = uuid.uuid4()
         with as_the_executor_loads():
             comfy.model_management.load_models_gpu([clone], memory_required=memory_required)
         undo.enter_context(held_for_training(clone))
         diffusion_model = clone.model.diffusion_model
         swapped = []
-        _without_pins(clone, lambda: make_autograd_safe_(diffusion_model, swapped))
+        # the frozen base is never written: new tensors share the loaded ones' memory (no copy
+        # of the model, also of a memory-mapped one under dynamic VRAM)
+        _without_pins(clone, lambda: make_autograd_safe_(diffusion_model, swapped, share_memory=True))
+        swapped[:] = [entry for entry in swapped if is_packed(entry[2])]  # only these go back
         undo.callback(put_back_, swapped)  # quantized weights return as loaded (see put_back_)
         names = target_module_names(linear_names(diffusion_model), config.targets)
         layers = dict(diffusion_model.named_modules())
@@ -302,7 +308,7 @@ def flux_lora_session(
         finally:
             remove_hooks()
         swapper = None
-        if config.blocks_to_swap:
+        if config.blocks_to_swap and not is_dynamic(clone):  # dynamic VRAM streams already (notes)
             swapper = block_swapper(clone, config.blocks_to_swap, poison=poison_swapped)
             undo.callback(swapper.restore)
             swapper.prepare()

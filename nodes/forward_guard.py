@@ -140,12 +140,20 @@ def check_training_backward(
     probe = probe_inputs(flux, patcher.load_device, dtype, layout)
     x, t = probe.pop("x"), probe.pop("timesteps")
     with evaluating(flux), torch.enable_grad(), comfy_training_mode(True):  # eval: no dropout
-        out = flux(x, t, transformer_options=dict(transformer_options), **probe)
-        if out.device.type == "meta":  # no values to run a backward on
-            return
         try:
+            out = flux(x, t, transformer_options=dict(transformer_options), **probe)
+            if out.device.type == "meta":  # no values to run a backward on
+                return
             torch.autograd.grad(out.float().square().mean(), list(params), allow_unused=True)
         except RuntimeError as error:
+            if "Inference tensors" in str(error):  # a weight made under inference mode reached autograd
+                raise RuntimeError(
+                    f"{_cannot_train()}: a weight ComfyUI hands a layer was made under inference mode "
+                    "and autograd cannot keep it, so this ComfyUI loads weights in a way the trainer "
+                    "does not know (dynamic VRAM?). Nothing was trained. Start ComfyUI with "
+                    f"--disable-dynamic-vram, and please report it with your ComfyUI version. "
+                    f"({str(error).splitlines()[0]})"
+                ) from error
             if "modified by an inplace operation" not in str(error):
                 raise
             raise RuntimeError(

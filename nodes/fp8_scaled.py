@@ -28,6 +28,9 @@ import torch
 
 from ..trainer_core.fp8_rows import ScaleRows, quantize_rows, scaled_layer_names
 
+MODEL_DTYPE = "weight_comfy_model_dtype"  # ComfyUI 0.33 records each weight's model dtype here
+NONE = object()
+
 
 @contextlib.contextmanager
 def fp8_scaled_weights(patcher):
@@ -48,8 +51,12 @@ def fp8_scaled_weights(patcher):
             key = f"diffusion_model.{name}.weight"
             original = layer.weight
             values, scale = quantize_rows(original.to(compute))  # one layer at a time
-            swapped.append((layer, original, layer.__dict__.get("weight_function")))
+            own = vars(layer)
+            swapped.append((layer, original, own.get("weight_function"), own.get(MODEL_DTYPE, NONE)))
             layer.weight = torch.nn.Parameter(values.to(original.device), requires_grad=False)
+            # the layer's model dtype for the run: ComfyUI's dynamic VRAM sizes its vbar pages by
+            # it, so the GPU holds fp8 pages (the bf16 one would make it hold bf16 casts)
+            setattr(layer, MODEL_DTYPE, values.dtype)
             patcher.add_weight_wrapper(key, ScaleRows(scale))
             patches = patcher.patches.pop(key, None)
             if patches:  # after the scale: the delta is added to the real weight
@@ -58,8 +65,12 @@ def fp8_scaled_weights(patcher):
         yield len(swapped)
     finally:
         unload_through_comfyui(patcher)
-        for layer, original, own_functions in reversed(swapped):
+        for layer, original, own_functions, model_dtype in reversed(swapped):
             layer.weight = original
+            if model_dtype is NONE:
+                layer.__dict__.pop(MODEL_DTYPE, None)
+            else:
+                setattr(layer, MODEL_DTYPE, model_dtype)
             if own_functions is None:
                 layer.__dict__.pop("weight_function", None)  # back to the class default
             else:

@@ -40,6 +40,7 @@ from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
 from .cast_contract import linear_names
 from .comfy_quantized import stored_weight_bytes, weight_formats
+from .dynamic_vram import dynamic_vram_notes
 from .flux_training import FluxLoraSession, flux_lora_session
 from .model_family import flux_family, text_in
 from .preview_sampler import PreviewSettings, sample_previews, save_previews
@@ -261,8 +262,14 @@ def announce_estimate(job, tracker, model, dataset, config, paths: LoraPaths) ->
     LOGGER.info(
         "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
     )
+    notes = dynamic_vram_notes(model, config.blocks_to_swap, config.fp8_mode)
+    for note in notes:
+        LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
+    message = f"estimated VRAM {estimate}"
+    if notes:  # the weights stream: what the GPU needs is the rest
+        message = f"{'; '.join(notes)}: ~{estimate.total - estimate.weights:.1f} GiB ({message})"
     # kept on every step's progress (the panel shows it while training; an event always has it)
-    tracker.progress = dataclasses.replace(tracker.progress, message=f"estimated VRAM {estimate}")
+    tracker.progress = dataclasses.replace(tracker.progress, message=message)
     job.report(tracker.progress)
     return estimate
 

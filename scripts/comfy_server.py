@@ -92,9 +92,11 @@ class ComfyServer:
         extra_packs: dict[str, Path] | None = None,
         device: str | None = None,
         env: dict[str, str] | None = None,
+        args: tuple[str, ...] = (),
     ):
         """`device`: "cpu" starts ComfyUI with --cpu, "cuda" without it; None: `comfy_device()`.
-        `env`: extra environment variables for the server process."""
+        `env`: extra environment variables for the server process; `args`: more of ComfyUI's
+        command-line options (e.g. --disable-dynamic-vram)."""
         self.device = device or comfy_device()
         if self.device not in COMFY_DEVICES:
             raise ValueError(f"device {self.device!r}: use one of {', '.join(COMFY_DEVICES)}")
@@ -105,6 +107,7 @@ class ComfyServer:
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
         self.env = dict(env or {})
+        self.args = tuple(args)
 
     def __enter__(self) -> ComfyServer:
         self.start()
@@ -127,6 +130,7 @@ class ComfyServer:
             "--disable-auto-launch",
             "--database-url",
             "sqlite:///:memory:",
+            *self.args,
         ]
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **self.env}
         site = comfyui_site()

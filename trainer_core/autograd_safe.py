@@ -10,6 +10,10 @@ changes dtype) says `is_inference() == False`, yet it has no version counter, an
 that makes a view of it (F.linear transposes its weight) raises "Inference tensors do not
 track version counter", with or without grad or inference mode. So a tensor is judged by
 what autograd needs: reading its version counter.
+
+Either kind is replaced by a normal tensor: a copy, or (`share_memory`, for weights nothing
+writes) a normal tensor over the same memory, which costs nothing and keeps a memory-mapped
+model (ComfyUI 0.33's dynamic VRAM) in its file's pages.
 """
 
 from __future__ import annotations
@@ -29,18 +33,52 @@ def autograd_unsafe(tensor: torch.Tensor) -> bool:
     return False
 
 
-def make_autograd_safe_(module: torch.nn.Module, replaced_log: list | None = None) -> int:
-    """Replace the module's autograd-unsafe tensors (`autograd_unsafe`) by normal copies, in
+def shared_copy(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A normal tensor (its own version counter) over the memory of `tensor`: no copy of the
+    values. For a frozen weight that nothing writes, it is what autograd needs, at no cost: a
+    memory-mapped file's weights (ComfyUI 0.33's dynamic VRAM) stay in the file's pages, a GPU
+    weight is not doubled. A packed weight (ComfyUI's quantized tensor) is rebuilt around shared
+    copies of its inner tensors, through the subclass's own flatten / unflatten. None where
+    that is not possible (a packed tensor without flattening, a tensor without storage).
+    Make it with inference mode off."""
+    if is_packed(tensor):
+        flatten = getattr(tensor, "__tensor_flatten__", None)
+        if flatten is None:
+            return None
+        names, context = flatten()
+        inner = {name: shared_copy(getattr(tensor, name)) for name in names}
+        if any(value is None for value in inner.values()):
+            return None
+        return type(tensor).__tensor_unflatten__(inner, context, tensor.shape, tensor.stride())
+    if tensor.device.type == "meta":
+        return None
+    try:
+        shared = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+        return shared.set_(tensor.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def make_autograd_safe_(
+    module: torch.nn.Module, replaced_log: list | None = None, share_memory: bool = False
+) -> int:
+    """Replace the module's autograd-unsafe tensors (`autograd_unsafe`) by normal ones, in
     place; returns how many.
 
     Each unsafe parameter or buffer is swapped for a new tensor with the same name, value
-    (bit-equal), dtype, device and `requires_grad` (a Parameter stays a Parameter), as
-    ComfyUI's own weight patching swaps parameters; other workflows see bit-identical
-    outputs. Safe tensors keep their identity, and a tensor shared by several modules (tied
-    weights) is replaced by one copy, so they stay tied. Costs one
-    tensor's copy at a time. Call it with inference mode off: a copy made inside is again an
-    inference tensor. With `replaced_log`, each swap is appended to it as (table, name,
-    original, copy) for `put_back_`."""
+    (bit-equal), dtype, device, `requires_grad` and Python attributes (ComfyUI tags weights,
+    e.g. `_model_dtype`; a Parameter stays a Parameter), as ComfyUI's own weight patching
+    swaps parameters; other workflows see bit-identical outputs. Safe tensors keep their
+    identity, and a tensor shared by several modules (tied weights) is replaced by one new
+    tensor, so they stay tied.
+
+    `share_memory=False`: each new tensor is a copy (one tensor's copy at a time), free to be
+    trained in place. `share_memory=True`, for a module whose tensors nothing writes while
+    they are swapped (the frozen base of a LoRA): each new tensor shares the unsafe one's
+    memory (`shared_copy`; a copy only where sharing is impossible), so no second copy of the
+    model exists. Call it with inference mode off: a tensor made inside is again an inference
+    tensor. With `replaced_log`, each swap is appended to it as (table, name, original, new)
+    for `put_back_`."""
     replaced: dict[int, torch.Tensor] = {}
     for child in module.modules():
         for table in (child._parameters, child._buffers):
@@ -48,10 +86,15 @@ def make_autograd_safe_(module: torch.nn.Module, replaced_log: list | None = Non
                 if tensor is None or not autograd_unsafe(tensor):
                     continue
                 if id(tensor) not in replaced:  # tied weights stay tied
-                    copy = tensor.data.clone()  # .data: no view that shares the missing counter
+                    new = shared_copy(tensor) if share_memory else None
+                    if new is None:
+                        new = tensor.data.clone()  # .data: no view that shares the missing counter
                     if isinstance(tensor, torch.nn.Parameter):
-                        copy = torch.nn.Parameter(copy, requires_grad=tensor.requires_grad)
-                    replaced[id(tensor)] = copy
+                        new = torch.nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    for key, value in vars(tensor).items():
+                        if key not in vars(new):
+                            setattr(new, key, value)
+                    replaced[id(tensor)] = new
                 table[name] = replaced[id(tensor)]
                 if replaced_log is not None:
                     replaced_log.append((table, name, tensor, replaced[id(tensor)]))

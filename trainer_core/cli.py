@@ -46,7 +46,7 @@ def comfyui_root() -> Path:
     )
 
 
-def boot(base_directory: Path | None, use_cuda: bool) -> ModuleType:
+def boot(base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True) -> ModuleType:
     """ComfyUI's runtime in this process and the pack as `kontext_trainer`: done by
     `nodes/comfy_boot.py` (ComfyUI glue stays out of trainer_core), loaded by its path because
     the pack's package can only be imported once ComfyUI's options are set."""
@@ -56,7 +56,7 @@ def boot(base_directory: Path | None, use_cuda: bool) -> ModuleType:
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.boot(root, PACK_ROOT, PACKAGE, base_directory, use_cuda)
+    return module.boot(root, PACK_ROOT, PACKAGE, base_directory, use_cuda, dynamic_vram)
 
 
 def wants_cuda(force_cpu: bool) -> bool:
@@ -80,6 +80,12 @@ def parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--config", required=True, type=Path, help="the run's TOML config")
     train.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is there")
+    train.add_argument(
+        "--disable-dynamic-vram",
+        action="store_true",
+        help="load the model as ComfyUI's --disable-dynamic-vram does (default: as ComfyUI's server "
+        "on this machine; on NVIDIA with ComfyUI 0.33 that is dynamic VRAM)",
+    )
     train.add_argument(
         "--timeout-minutes",
         type=float,
@@ -124,7 +130,8 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
         base = options.base_directory.resolve() if options.base_directory else None
     else:
         base = _config_base_directory(options.config)
-    pack = boot(base, options.use_cuda)
+    dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
+    pack = boot(base, options.use_cuda, dynamic_vram)
     headless = importlib.import_module(f"{pack.__name__}.nodes.headless")
     if options.command == "train":
         return headless.train_command(options, load_models)

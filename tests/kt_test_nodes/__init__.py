@@ -23,6 +23,13 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
 
 from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAYED, replay  # noqa: E402
 from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa: E402
+from kt_testing.dynamic_vram import (  # noqa: E402
+    DYNAMIC_VRAM_ENV,
+    EMULATION_MARK,
+    AnonymousPeak,
+    emulate,
+    mapped_weights,
+)
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
     small_flux2_vae,
@@ -151,6 +158,50 @@ if os.environ.get(CAST_REPLAY_ENV):  # this server's casts reuse memory as 0.33'
     )
 
 
+if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # this server loads as 0.33 does on NVIDIA
+    emulate()
+    logging.getLogger(__name__).warning("%s (mapped weights, ModelPatcherDynamic)", EMULATION_MARK)
+
+_ANON_PEAK = AnonymousPeak()
+
+
+class MappedWeights:
+    """How a MODEL holds its weights (`kt_testing.dynamic_vram.mapped_weights`), as UI output."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "nonce": ("INT", {"default": 0, "min": 0})}}
+
+    def report(self, model, nonce):
+        return {"ui": {key: [value] for key, value in mapped_weights(model).items()}}
+
+
+class AnonymousMemory:
+    """This server's base and peak anonymous memory (RssAnon, KiB) since the last time this node
+    ran, as UI output; then it starts measuring again. Always runs."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"nonce": ("INT", {"default": 0, "min": 0})}}
+
+    @classmethod
+    def IS_CHANGED(cls, nonce):
+        return float("nan")
+
+    def report(self, nonce):
+        return {"ui": {key: [value] for key, value in _ANON_PEAK.reset().items()}}
+
+
 class CastReplayCount:
     """How many casts this server's replay handed out in reused memory so far (UI output)."""
 
@@ -198,6 +249,8 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_ModelDifference": ModelDifference,
+    "KTTest_MappedWeights": MappedWeights,
+    "KTTest_AnonymousMemory": AnonymousMemory,
     "KTTest_LatentDigest": LatentDigest,
     "KTTest_CastReplayCount": CastReplayCount,
 }

@@ -156,3 +156,37 @@ def test_a_quantized_models_reused_casts_break_a_step_that_keeps_them_and_not_ou
     assert not aliases
     assert torch.equal(loss, reference_loss)
     assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+
+
+def test_a_resident_cast_view_cached_by_sampling_is_owned_without_a_copy(pack, monkeypatch):
+    """ComfyUI 0.33's dynamic VRAM hands a layer whose weights are still resident in its vbar
+    pages the views it cached at its last cast (`_v_weight`, `_v_bias`). Cached by sampling,
+    under inference mode, they are inference tensors: autograd refuses to save them ("Inference
+    tensors cannot be saved for backward"). The cast here returns the cached views as that
+    branch does (a CPU has no vbar); training replaces them by normal tensors over the same
+    memory and gets the exact gradient."""
+    import comfy.ops
+
+    cast_contract = importlib.import_module(f"{pack.__name__}.nodes.cast_contract")
+    cast = comfy.ops.cast_bias_weight
+
+    def resident_cast(s, *args, **kwargs):
+        if not hasattr(s, "_v_weight"):
+            return cast(s, *args, **kwargs)
+        return s._v_weight, s._v_bias, None  # nothing to uncast
+
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", resident_cast)
+    layer = comfy.ops.manual_cast.Linear(4, 3)
+    torch.nn.init.normal_(layer.weight)
+    layer.comfy_cast_weights = True
+    with torch.inference_mode():  # sampling's cast, cached
+        layer._v_weight, layer._v_bias = layer.weight.detach().clone(), layer.bias.detach().clone()
+    cached = layer._v_weight
+    remove = cast_contract.recast_in_backward(torch.nn.Sequential(layer))
+    try:
+        x = torch.randn(2, 4, requires_grad=True)
+        layer(x).sum().backward()
+    finally:
+        remove()
+    assert not layer._v_weight.is_inference() and layer._v_weight.data_ptr() == cached.data_ptr()
+    assert torch.allclose(x.grad, cached.sum(0).expand(2, 4))

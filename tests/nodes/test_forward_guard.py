@@ -87,6 +87,36 @@ def test_a_broken_patch_stops_the_run_before_any_step(mods, pack, monkeypatch):
     assert steps == []
 
 
+def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, monkeypatch):
+    """Should a ComfyUI hand a layer a weight made under inference mode that the trainer does
+    not know to replace (a cast view cached by sampling, under dynamic VRAM), the backward
+    probe says so in one line naming the way out, not autograd's raw error mid-run."""
+    import comfy.ops
+    import comfyui_version
+
+    cast = comfy.ops.cast_bias_weight
+
+    def cast_made_in_inference_mode(*args, **kwargs):
+        weight, bias, *rest = cast(*args, **kwargs)
+        with torch.inference_mode():
+            return (weight.clone(), None if bias is None else bias.clone(), *rest)
+
+    patcher = TINY_FAMILIES["flux"].patcher(seed=4)
+    for layer in patcher.model.diffusion_model.modules():
+        if hasattr(layer, "comfy_cast_weights"):
+            layer.comfy_cast_weights = True  # every layer casts, as under dynamic VRAM
+    monkeypatch.setattr(comfy.ops, "cast_bias_weight", cast_made_in_inference_mode)
+    config = mods.ft.TrainConfig(steps=2, rank=2, alpha=2.0, seed=1)
+    message = (
+        rf"cannot train on this ComfyUI \({comfyui_version.__version__}\): a weight ComfyUI hands a layer "
+        r"was made under inference mode .* --disable-dynamic-vram"
+    )
+    with pytest.raises(RuntimeError, match=message) as raised:
+        with mods.ft.flux_lora_session(patcher, config):
+            pass
+    assert "\n" not in str(raised.value)
+
+
 def test_a_resumed_lora_with_dropout_passes_the_guard(mods):
     """A run that starts from a trained LoRA (resume, start_from_lora) with LoRA dropout on: the
     guard compares the two paths in eval mode (peft creates its dropout modules in training

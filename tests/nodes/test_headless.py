@@ -96,6 +96,8 @@ def test_trains_what_the_graph_trains_and_writes_its_files(uninterrupted, files,
     loras = files.base / "models" / "loras"
     assert (loras / "full.safetensors").is_file() and (loras / "full_loss.png").is_file()
     assert f"LoRA saved: {loras / 'full.safetensors'}" in result.stdout
+    # it says how it loads (on a GPU: as the server there, dynamic VRAM on ComfyUI 0.33)
+    assert "[kontext-trainer] dynamic VRAM off: training on the CPU" in result.stdout
     bar = [line for line in result.stdout.splitlines() if PROGRESS.match(line)]
     assert re.fullmatch(rf"\[#+\] {STEPS}/{STEPS}  loss [\d.]+ \(avg [\d.]+\)  [\d.]+ s/step", bar[-1])
     assert re.search(r"\] \d+/40  loss .* s/step  ETA \d+:\d\d:\d\d$", bar[0])  # the time left, while it runs

@@ -128,3 +128,40 @@ def test_weights_moved_inside_inference_mode_are_plain_inference_tensors():
     module._apply(lambda t: t.clone())  # outside: made safe, it stays safe
     assert make_autograd_safe_(module) == 0
     input_gradient(module)
+
+
+def test_shared_memory_makes_no_copy_and_keeps_the_tensors_attributes():
+    """The frozen base of a LoRA under ComfyUI 0.33's dynamic VRAM: read-only memory-mapped
+    inference weights. `share_memory=True` gives autograd-usable tensors over the same memory:
+    no value is copied or written, and gradients still flow through the frozen layers."""
+    torch.manual_seed(0)
+    values = torch.randn(3, 4)
+    with torch.inference_mode():  # as the loader builds them: frombuffer over read-only bytes
+        mapped = torch.frombuffer(bytearray(values.numpy().tobytes()), dtype=torch.float32).view(3, 4)
+        module = torch.nn.Linear(4, 3, bias=False)
+        module.weight = torch.nn.Parameter(mapped, requires_grad=False)
+    module.weight._model_dtype = torch.bfloat16  # ComfyUI 0.33 tags weights it streams
+    original = module.weight
+    frozen = []
+    assert make_autograd_safe_(module, frozen, share_memory=True) == 1
+    shared = module.weight
+    assert shared is not original and not shared.is_inference() and isinstance(shared, torch.nn.Parameter)
+    assert shared.data_ptr() == original.data_ptr()  # the same memory: nothing copied
+    assert torch.equal(shared, values) and shared._model_dtype == torch.bfloat16
+    assert frozen == [(module._parameters, "weight", original, shared)]
+    x = torch.randn(5, 4, requires_grad=True)
+    module(x).sum().backward()
+    assert torch.allclose(x.grad, values.sum(0).expand(5, 4))
+
+    copied = loaded_under_inference_mode()  # the default still copies (free to train in place)
+    pointers = [p.data_ptr() for p in copied.parameters()]
+    make_autograd_safe_(copied)
+    assert all(p.data_ptr() != q for p, q in zip(copied.parameters(), pointers, strict=True))
+
+
+def test_without_storage_to_share_it_copies():
+    from trainer_core.autograd_safe import shared_copy
+
+    with torch.inference_mode():
+        meta = torch.empty(2, 2, device="meta")
+    assert shared_copy(meta) is None
