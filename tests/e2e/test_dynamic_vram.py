@@ -103,6 +103,13 @@ def fresh_model(server, workflow: dict, name: str) -> dict:
     return workflow
 
 
+def vbar_geometry(server) -> dict:
+    probe = {"1": {"class_type": "KTTest_VbarGeometry", "inputs": {"nonce": 0}}}
+    prompt_id, messages = server.run_prompt(probe)
+    succeeded(messages)
+    return server.history(prompt_id)["outputs"]["1"]
+
+
 def anonymous_memory(server) -> dict:
     return ui_of(server, {"1": {"class_type": "KTTest_AnonymousMemory", "inputs": {"nonce": 0}}}, "1")
 
@@ -243,7 +250,10 @@ def test_fp8_scaled_shares_the_mapped_weights_and_states_its_fp8_copy(servers):
         workflow = fresh_model(server, demo_workflow("kt_dyn_fp8", fp8_mode="fp8_scaled"), "kt-dyn-fp8")
         weights_of(server, workflow)  # loaded
     anonymous_memory(servers[0]), anonymous_memory(servers[1])
+    vbar_geometry(servers[1])  # from here
     messages = on_both(servers, workflow)
+    # the training load streamed the 10 fp8 block linears as fp8 (bf16 pages would hold casts)
+    assert any("torch.float8_e4m3fn: 10" in load for load in vbar_geometry(servers[1])["loads"])
     for server in servers:
         seen = anonymous_memory(server)
         growth[server] = (seen["peak_kib"] - seen["base_kib"]) * 1024

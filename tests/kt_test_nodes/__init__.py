@@ -26,6 +26,7 @@ from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa
 from kt_testing.dynamic_vram import (  # noqa: E402
     DYNAMIC_VRAM_ENV,
     EMULATION_MARK,
+    GEOMETRY,
     AnonymousPeak,
     emulate,
     mapped_weights,
@@ -181,6 +182,29 @@ class MappedWeights:
         return {"ui": {key: [value] for key, value in mapped_weights(model).items()}}
 
 
+class VbarGeometry:
+    """The dynamic loads since this node last ran (emulated dynamic VRAM): for each, how many
+    streamed weights would get vbar pages of each dtype ("torch.bfloat16: 13"). Always runs."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "report"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"nonce": ("INT", {"default": 0, "min": 0})}}
+
+    @classmethod
+    def IS_CHANGED(cls, nonce):
+        return float("nan")
+
+    def report(self, nonce):
+        loads = [", ".join(f"{d}: {dtypes.count(d)}" for d in sorted(set(dtypes))) for dtypes in GEOMETRY]
+        GEOMETRY.clear()
+        return {"ui": {"loads": loads}}
+
+
 class AnonymousMemory:
     """This server's base and peak anonymous memory (RssAnon, KiB) since the last time this node
     ran, as UI output; then it starts measuring again. Always runs."""
@@ -251,6 +275,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_ModelDifference": ModelDifference,
     "KTTest_MappedWeights": MappedWeights,
     "KTTest_AnonymousMemory": AnonymousMemory,
+    "KTTest_VbarGeometry": VbarGeometry,
     "KTTest_LatentDigest": LatentDigest,
     "KTTest_CastReplayCount": CastReplayCount,
 }

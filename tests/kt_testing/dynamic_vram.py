@@ -17,7 +17,8 @@ sees it. Here a CPU server does:
   mapped weights in place. Its `load` is ComfyUI's own (no vbar on a CPU: modules over 16 KiB
   keep their mapped weight and cast per forward, the smaller ones are force-loaded), and every
   node's end calls its `reset_cast_buffers` machinery as on a GPU; only its `partially_unload`
-  is adapted (ComfyUI asserts a GPU load device there, for the vbar a CPU lacks);
+  is adapted (ComfyUI asserts a GPU load device there, for the vbar a CPU lacks), and each
+  load records the dtype each streamed weight's vbar pages would have (`GEOMETRY`);
 - a weight patch (a LoRA from the stock loader) reaches such a layer as its
   `weight_lowvram_function`, which only the vbar branch of `comfy.ops.cast_bias_weight` applies
   (a CPU has no vbar): `emulate()` wraps the cast to apply it the way that branch does (the
@@ -38,6 +39,7 @@ import torch
 DYNAMIC_VRAM_ENV = "KT_TEST_DYNAMIC_VRAM"
 SITE_DIR = Path(__file__).resolve().parent / "dynamic_site"
 EMULATION_MARK = "kt test: dynamic VRAM emulated"
+GEOMETRY: list[list[str]] = []  # per dynamic load: the geometry dtype of each streamed weight
 
 
 def server_env() -> dict[str, str]:
@@ -55,6 +57,15 @@ def emulate() -> type:
 
         def __new__(cls, *args, **kwargs):
             return object.__new__(cls)
+
+        def load(self, *args, **kwargs):
+            """ComfyUI's load, then a record of the geometry dtype it gave each streamed
+            weight (`_model_dtype`: what the vbar pages would hold on a GPU)."""
+            result = super().load(*args, **kwargs)
+            modules = self.model.modules()
+            streamed = [getattr(m, "weight", None) for m in modules if hasattr(m, "comfy_cast_weights")]
+            GEOMETRY.append(sorted(str(w._model_dtype) for w in streamed if hasattr(w, "_model_dtype")))
+            return result
 
         def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
             """ComfyUI's, less its assert of a GPU load device: with no vbar (a CPU has none)
