@@ -50,7 +50,8 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
         result = server.history(prompt_id)["outputs"][trainer]
         assert result["lora_name"] == [lora_name] and len(result["loss"]) == 4
         assert all(math.isfinite(loss) for loss in result["loss"])
-        assert any(e["message"].startswith("estimated VRAM ~") for e in progress_events(messages))
+        # (under dynamic VRAM the estimate follows the mode's note)
+        assert any("estimated VRAM ~" in e["message"] for e in progress_events(messages))
         tensors, metadata = load(server.base_dir / "models" / "loras" / lora_name)
         assert metadata["ss_base_model_version"] == "flux1"
         assert metadata["kontext_trainer.base_model"] == "flux1_kontext"

@@ -35,8 +35,6 @@ def anonymous_memory(server) -> dict:
 
 @pytest.mark.slow
 def test_the_demo_trains_with_and_without_dynamic_vram(cuda_only, stock_assets, tmp_path):
-    import torch
-
     import demo_assets
     import demo_dataset
     from kt_testing.runs import progress_events
@@ -69,6 +67,6 @@ def test_the_demo_trains_with_and_without_dynamic_vram(cuda_only, stock_assets, 
     assert loras["dynamic"].keys() == loras["disabled"].keys()
     for key, value in loras["dynamic"].items():
         other = loras["disabled"][key].float()
-        tolerance = 1e-3 * float(other.abs().max()) + 1e-6
-        assert torch.allclose(value.float(), other, rtol=0.05, atol=tolerance), key
+        # the same training in other kernels: close, not equal (4 steps from the same start)
+        assert float((value.float() - other).norm()) <= 0.1 * float(other.norm()) + 1e-6, key
     assert growth["dynamic"] < 0.5 * model
