@@ -6,21 +6,23 @@ Every flow runs the demo's stock-size Flux (1 GiB of bf16 weights) through a rea
 dynamic VRAM emulated and through a plain one, and each test first shows that the dynamic
 server's MODEL holds mapped inference weights. On 70adb75 (and up to ecd75f4) every run
 made a copy of each mapped weight (`make_autograd_safe_`): the server's anonymous memory
-grew by more than the model's size while training, and the copies stayed in the MODEL. Now
-the training shares the mapped memory: the LoRA equals the plain server's bit for bit, and the
-growth stays below half the model (a single fp32 cast of the demo's largest layer on a CPU is
-a quarter of it; on a GPU the casts land in VRAM).
+grew by more than the model's size while training (measured on ecd75f4: +1352 MiB for the
+1020 MiB demo Flux), and the copies stayed in the MODEL, which every flow here checks after
+its run. Now the training shares the mapped memory: the LoRA equals the plain server's bit
+for bit, and the growth stays below half the model (a single fp32 cast of the demo's largest
+layer on a CPU is a quarter of it; on a GPU the casts land in VRAM).
 
 ComfyUI 0.3.75 has no dynamic VRAM: the module skips there."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 
 import pytest
 
-from kt_testing.dynamic_vram import EMULATION_MARK, comfyui_has_dynamic_vram, server_env
+from kt_testing.dynamic_vram import DYNAMIC_VRAM_ENV, EMULATION_MARK, comfyui_has_dynamic_vram, server_env
 from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
 from kt_testing.runs import progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
@@ -34,6 +36,7 @@ pytestmark = [
 ]
 
 EXAMPLE = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
+PROBES = itertools.count(1)
 MODEL_BYTES_FLOOR = 1_000_000_000  # the demo Flux's mapped block weights (about 1.07 GB)
 
 
@@ -126,12 +129,21 @@ def same_lora(a: dict, b: dict) -> bool:
 
 
 def trained(server, graph: dict) -> tuple[dict, dict, list]:
-    """Run a training graph; returns the LoRA, TrainLoRA's UI output and the messages."""
+    """Run a training graph; returns the LoRA, TrainLoRA's UI output and the messages. On the
+    dynamic server, the MODEL TrainLoRA trained (its MODEL output: the same module) is probed
+    after the run: it must still hold the file's mapped memory (70adb75 left a copy there)."""
+    dynamic = DYNAMIC_VRAM_ENV in server.env
+    if dynamic:
+        graph = {**graph, "kt_mapped": {"class_type": "KTTest_MappedWeights", "inputs": {"model": ["5", 0]}}}
+        graph["kt_mapped"]["inputs"]["nonce"] = next(PROBES)  # a fresh probe each run
     prompt_id, messages = server.run_prompt(graph, timeout=600)
     if messages[-1]["type"] != "execution_success":  # the server's own account of it
         pytest.fail(f"{messages[-1]['data'].get('exception_message')}\n{server.log()[-3000:]}")
-    output = server.history(prompt_id)["outputs"]["5"]
-    return lora(server, graph["5"]["inputs"]["lora_name"]), output, messages
+    outputs = server.history(prompt_id)["outputs"]
+    if dynamic:
+        held = {key: value[0] for key, value in outputs["kt_mapped"].items()}
+        assert held["large"] > 0 and held["mapped"] == held["large"], f"the MODEL holds a copy: {held}"
+    return lora(server, graph["5"]["inputs"]["lora_name"]), outputs["5"], messages
 
 
 def on_both(servers, graph: dict) -> list:
