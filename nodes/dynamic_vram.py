@@ -49,13 +49,11 @@ def fp8_scaled_bytes(diffusion_model) -> int:
 
 
 def dynamic_vram_notes(model, blocks_to_swap: int, fp8_mode: str = "as_loaded") -> list[str]:
-    """The statements a run on `model` shows before it starts: none off dynamic VRAM."""
+    """The statements a run on `model` shows before it starts (the first says the mode; the
+    run adds what training needs beside the streamed weights to it): none off dynamic VRAM."""
     if not is_dynamic(model):
         return []
-    notes = [
-        "ComfyUI's dynamic VRAM: training streams the file's mapped weights (no copy of the model); "
-        "the estimate below is what training needs beside them"
-    ]
+    notes = ["ComfyUI's dynamic VRAM: training streams the file's mapped weights (no copy of the model)"]
     if blocks_to_swap:
         notes.append(block_swap_note(blocks_to_swap))
     if fp8_mode == "fp8_scaled":

@@ -267,7 +267,8 @@ def announce_estimate(job, tracker, model, dataset, config, paths: LoraPaths) ->
         LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
     message = f"estimated VRAM {estimate}"
     if notes:  # the weights stream: what the GPU needs is the rest
-        message = f"{'; '.join(notes)}: ~{estimate.total - estimate.weights:.1f} GiB ({message})"
+        beside = f"beside them training needs ~{estimate.total - estimate.weights:.1f} GiB of VRAM"
+        message = "; ".join([notes[0], f"{beside} ({message})", *notes[1:]])
     # kept on every step's progress (the panel shows it while training; an event always has it)
     tracker.progress = dataclasses.replace(tracker.progress, message=message)
     job.report(tracker.progress)
