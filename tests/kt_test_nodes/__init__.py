@@ -166,64 +166,50 @@ if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # this server loads as 0.33 does on
 _ANON_PEAK = AnonymousPeak()
 
 
-class MappedWeights:
-    """How a MODEL holds its weights (`kt_testing.dynamic_vram.mapped_weights`), as UI output."""
+def _report_node(doc: str, report, takes_model: bool = False):
+    """An output node showing `report(...)` (a dict of values) as UI output, one list per key;
+    with `takes_model` it reads a MODEL input, otherwise it runs every time it is queued."""
+    inputs = {"model": ("MODEL",)} if takes_model else {}
 
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ()
-    FUNCTION = "report"
-    OUTPUT_NODE = True
+    class Report:
+        __doc__ = doc
+        CATEGORY = "kontext trainer tests"
+        RETURN_TYPES = ()
+        FUNCTION = "show"
+        OUTPUT_NODE = True
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "nonce": ("INT", {"default": 0, "min": 0})}}
+        @classmethod
+        def INPUT_TYPES(cls):
+            return {"required": {**inputs, "nonce": ("INT", {"default": 0, "min": 0})}}
 
-    def report(self, model, nonce):
-        return {"ui": {key: [value] for key, value in mapped_weights(model).items()}}
+        def show(self, nonce, model=None):
+            values = report(model) if takes_model else report()
+            return {"ui": {key: v if isinstance(v, list) else [v] for key, v in values.items()}}
 
-
-class VbarGeometry:
-    """The dynamic loads since this node last ran (emulated dynamic VRAM): for each, how many
-    streamed weights would get vbar pages of each dtype ("torch.bfloat16: 13"). Always runs."""
-
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ()
-    FUNCTION = "report"
-    OUTPUT_NODE = True
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"nonce": ("INT", {"default": 0, "min": 0})}}
-
-    @classmethod
-    def IS_CHANGED(cls, nonce):
-        return float("nan")
-
-    def report(self, nonce):
-        loads = [", ".join(f"{d}: {dtypes.count(d)}" for d in sorted(set(dtypes))) for dtypes in GEOMETRY]
-        GEOMETRY.clear()
-        return {"ui": {"loads": loads}}
+    if not takes_model:
+        Report.IS_CHANGED = classmethod(lambda cls, nonce: float("nan"))  # always runs
+    return Report
 
 
-class AnonymousMemory:
-    """This server's base and peak anonymous memory (RssAnon, KiB) since the last time this node
-    ran, as UI output; then it starts measuring again. Always runs."""
+def _vbar_loads() -> dict:
+    loads = [", ".join(f"{d}: {dtypes.count(d)}" for d in sorted(set(dtypes))) for dtypes in GEOMETRY]
+    GEOMETRY.clear()
+    return {"loads": loads}
 
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ()
-    FUNCTION = "report"
-    OUTPUT_NODE = True
 
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {"required": {"nonce": ("INT", {"default": 0, "min": 0})}}
-
-    @classmethod
-    def IS_CHANGED(cls, nonce):
-        return float("nan")
-
-    def report(self, nonce):
-        return {"ui": {key: [value] for key, value in _ANON_PEAK.reset().items()}}
+MappedWeights = _report_node(
+    "How a MODEL holds its weights (`kt_testing.dynamic_vram.mapped_weights`).", mapped_weights, True
+)
+VbarGeometry = _report_node(
+    "The dynamic loads since this node last ran (emulated dynamic VRAM): for each, how many streamed "
+    'weights would get vbar pages of each dtype ("torch.bfloat16: 13").',
+    _vbar_loads,
+)
+AnonymousMemory = _report_node(
+    "This server's base and peak anonymous memory (RssAnon, KiB) since this node last ran; then it "
+    "starts measuring again.",
+    lambda: _ANON_PEAK.reset(),
+)
 
 
 class CastReplayCount:
