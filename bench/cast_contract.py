@@ -1,4 +1,4 @@
-"""The cast contract's cost (nodes/cast_contract.py): step time and bytes saved for the backward
+"""The cast contract's cost (comfy_adapter/cast_contract.py): step time and bytes saved for the backward
 with every casting Linear recomputed in the backward, against the former step that let autograd
 keep each cast weight, side by side in one run (configurations alternating).
 
@@ -43,7 +43,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kt-bench-") as scratch:
         pack = boot(Path(scratch)).pack_module.__name__
-        ft = importlib.import_module(f"{pack}.nodes.flux_training")
+        ft = importlib.import_module(f"{pack}.comfy_adapter.flux_training")
         flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
         samples = tiny_samples(
             flow_step.Sample, 1, 4, [(args.size, args.size)], target=(args.size, args.size)

@@ -1,6 +1,6 @@
 """GPU benchmark: seconds per training step and peak CUDA memory on the stock-loadable demo Flux
 (hidden 3072, 1 double + 1 single block, loaded by the stock UNETLoader), next to the VRAM
-estimate TrainLoRA shows for the same configuration (`nodes/training_run.vram_estimate`).
+estimate TrainLoRA shows for the same configuration (`application/training_run.vram_estimate`).
 
 Configurations, each at every `--sizes` (target and one reference of that size):
   bf16        UNETLoader weight_dtype default (bf16 on a bf16 GPU)
@@ -177,8 +177,8 @@ def main() -> int:
         runtime = boot(Path(scratch))
         pack = runtime.pack_module.__name__
         names = {
-            "ft": "nodes.flux_training",
-            "run": "nodes.training_run",
+            "ft": "comfy_adapter.flux_training",
+            "run": "application.training_run",
             "loop": "trainer_core.loop",
             "flow_step": "trainer_core.flow_step",
         }

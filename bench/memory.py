@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kt-bench-") as scratch:
         runtime = boot(Path(scratch))
         pack = runtime.pack_module.__name__
-        ft = importlib.import_module(f"{pack}.nodes.flux_training")
+        ft = importlib.import_module(f"{pack}.comfy_adapter.flux_training")
         loop = importlib.import_module(f"{pack}.trainer_core.loop")
         flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
         vram = importlib.import_module(f"{pack}.trainer_core.vram")

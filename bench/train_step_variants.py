@@ -66,7 +66,7 @@ def _numel(parameters) -> int:
 
 
 def run_ours(model, inputs: Inputs, args, targets: str | None = None) -> Trained:
-    ft = _pack("nodes.flux_training")
+    ft = _pack("comfy_adapter.flux_training")
     flow_step = _pack("trainer_core.flow_step")
     loop = _pack("trainer_core.loop")
     sample = flow_step.Sample(inputs.target[0], inputs.context[0], inputs.pooled[0], [inputs.reference[0]])
@@ -197,8 +197,8 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
     plus reference latent), MSE on the target's velocity, backward, AdamW."""
     import comfy.model_management
 
-    ft = _pack("nodes.flux_training")
-    flux_blocks = _pack("nodes.flux_blocks")
+    ft = _pack("comfy_adapter.flux_training")
+    flux_blocks = _pack("comfy_adapter.flux_blocks")
     lora_adapters = _pack("trainer_core.lora_adapters")
     lora_targets = _pack("trainer_core.lora_targets")
     # ComfyUI's training mode (0.33: the eager RoPE, which has a backward), as ours trains
@@ -208,7 +208,7 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
         comfy.model_management.load_models_gpu([clone])
         flux = clone.model.diffusion_model
         ft.make_autograd_safe_(flux)
-        linears = _pack("nodes.cast_contract").linear_names(flux)
+        linears = _pack("comfy_adapter.cast_contract").linear_names(flux)
         names = lora_targets.target_module_names(linears, "attention_mlp")
         lora = lora_adapters.attach_lora(flux, names, args.rank, float(args.rank))
         flux_blocks.install_trainable_blocks(clone, checkpointing=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import ComfyExtension, io
 
-from .extension_ids import NODE_ID_PREFIX  # noqa: F401  (re-exported for tests and tools)
+from ..application.node_ids import NODE_ID_PREFIX  # noqa: F401  (re-exported for tests and tools)
 from .load_kontext_dataset import LoadKontextDataset
 from .multi_image_conditioning import MultiImageConditioning
 from .preview_sampler import PreviewSampler

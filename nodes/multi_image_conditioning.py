@@ -13,11 +13,11 @@ import numpy as np
 import torch
 from comfy_api.latest import io
 
+from ..application.node_ids import node_id
+from ..comfy_adapter.model_family import check_layout_fits
+from ..comfy_adapter.reference_ids import with_reference_ids
 from ..trainer_core.position_ids import LAYOUTS, check_layout
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
-from .extension_ids import node_id
-from .model_family import check_layout_fits
-from .reference_ids import with_reference_ids
 
 MAX_REFERENCES = 4
 

@@ -1,112 +1,21 @@
-"""PreviewSampler: what TrainLoRA should sample while it trains, and the sampling itself.
+"""PreviewSampler: what TrainLoRA should sample while it trains.
 
 The node only describes the previews (prompt conditioning, with reference images from
 MultiImageConditioning if any; optional negative for true CFG; guidance; size; steps; every
-N training steps) and hands them to TrainLoRA's `preview` input. TrainLoRA's training thread
-calls `sample_previews` between optimizer steps, with the LoRA as it is at that step, through
-ComfyUI's own KSampler and the training clone (same reference layout as training). Images
-are saved to ComfyUI's temp folder, shown on the TrainLoRA node, and the last ones come out
-of TrainLoRA as IMAGE. Sampling draws its noise from its own generator and restores torch's
-global RNG, so previews never change the training run; it runs in eval mode (LoRA dropout
-off, as the saved LoRA will be used) and puts the training mode back afterwards.
+N training steps) and hands them to TrainLoRA's `preview` input. The training run samples them
+between optimizer steps with the LoRA as it is at that step (`comfy_adapter/previews.py`); they
+are shown on the TrainLoRA node, and the last ones come out of TrainLoRA as IMAGE.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from pathlib import Path
-
-import numpy as np
-import torch
 from comfy_api.latest import io
-from PIL import Image
 
+from ..application.node_ids import node_id
+from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.limits import check_number
-from ..trainer_core.names import preview_name
-from ..trainer_core.validation import evaluating
-from .comfy_loading import as_the_executor_loads
-from .extension_ids import node_id
-from .flux_blocks import comfy_training_mode
 
 Preview = io.Custom("KONTEXT_PREVIEW")
-PREVIEW_FOLDER = "kontext_trainer_previews"
-
-
-@dataclass
-class PreviewSettings:
-    positive: list  # ComfyUI CONDITIONING
-    negative: list | None
-    vae: object
-    every_n_steps: int
-    steps: int
-    cfg: float
-    guidance: float
-    width: int
-    height: int
-    seed: int
-    sampler_name: str
-    scheduler: str
-
-
-def _with(conditioning, values: dict):
-    import node_helpers
-
-    return node_helpers.conditioning_set_values(conditioning, values)
-
-
-def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Tensor:
-    """(B, H, W, 3) images for every prompt of `settings.positive`, sampled with the model
-    as the session holds it (LoRA included)."""
-    import comfy.model_management
-    import comfy.sample
-
-    positive = _with(settings.positive, {"guidance": settings.guidance, "reference_latents_method": layout})
-    negative = settings.negative
-    if negative is None:  # like ConditioningZeroOut: unused at cfg 1, plain unconditional otherwise
-        negative = [
-            [torch.zeros_like(c), {k: v for k, v in o.items() if k != "reference_latents"}]
-            for c, o in settings.positive
-        ]
-    # the empty latent of the model's family (FLUX.1: 16 channels at 1/8, FLUX.2: 128 at 1/16)
-    channels = session.patcher.model.latent_format.latent_channels
-    scale = settings.vae.spacial_compression_encode()
-    latent = torch.zeros(1, channels, settings.height // scale, settings.width // scale)
-    devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
-    with (
-        evaluating(session.diffusion_model),
-        torch.random.fork_rng(devices=devices),
-        comfy_training_mode(False),  # sampling as ComfyUI samples (its fused RoPE)
-    ):
-        noise = torch.randn(latent.shape, generator=torch.Generator().manual_seed(settings.seed))
-        samples = comfy.sample.sample(
-            session.patcher,
-            noise,
-            settings.steps,
-            settings.cfg,
-            settings.sampler_name,
-            settings.scheduler,
-            positive,
-            negative,
-            latent,
-            disable_pbar=True,
-            seed=settings.seed,
-        )
-        with as_the_executor_loads():  # decoding loads the VAE (from the training thread)
-            images = settings.vae.decode(samples.to(comfy.model_management.intermediate_device()))
-    return images.reshape(-1, *images.shape[-3:]).float().cpu()
-
-
-def save_previews(images: torch.Tensor, temp_dir: Path, stem: str, step: int) -> list[dict]:
-    """PNGs in ComfyUI's temp folder; returns the `/view` references ({filename, subfolder, type})."""
-    folder = Path(temp_dir) / PREVIEW_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
-    refs = []
-    for index, image in enumerate(images):
-        name = preview_name(stem, step, index)
-        pixels = (image.clamp(0, 1).numpy() * 255).round().astype(np.uint8)
-        Image.fromarray(pixels).save(folder / name)
-        refs.append({"filename": name, "subfolder": PREVIEW_FOLDER, "type": "temp", "step": step})
-    return refs
 
 
 class PreviewSampler(io.ComfyNode):

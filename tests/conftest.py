@@ -31,7 +31,7 @@ def comfy_runtime(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pack(comfy_runtime):
-    """The pack's package exactly as ComfyUI imported it (e.g. `pack.nodes.reference_ids`)."""
+    """The pack's package exactly as ComfyUI imported it (e.g. `pack.comfy_adapter.reference_ids`)."""
     return comfy_runtime.pack_module
 
 

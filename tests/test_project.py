@@ -8,7 +8,7 @@ import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACK_DIRS = ("nodes", "trainer_core")
+PACK_DIRS = ("nodes", "application", "comfy_adapter", "trainer_core")
 
 
 def _requirement_lines(path: Path) -> list[str]:
@@ -49,11 +49,11 @@ def test_pack_never_imports_nodes_absolutely():
         for node in ast.walk(ast.parse(path.read_text())):
             absolute = (
                 isinstance(node, ast.Import)
-                and any(a.name.split(".")[0] in ("nodes", "trainer_core") for a in node.names)
+                and any(a.name.split(".")[0] in PACK_DIRS for a in node.names)
             ) or (
                 isinstance(node, ast.ImportFrom)
                 and node.level == 0
-                and (node.module or "").split(".")[0] in ("nodes", "trainer_core")
+                and (node.module or "").split(".")[0] in PACK_DIRS
             )
             if absolute:
                 offenders.append(f"{path.relative_to(REPO)}:{node.lineno}")

@@ -10,7 +10,7 @@ A checkpoint is a folder `step_000120/` holding
 It is written into a temporary sibling folder and renamed into place, so a crash leaves the
 previous checkpoint and never a half-written one. `prune` keeps the newest K of one run.
 Checkpoints are never written where ComfyUI looks for LoRAs: the node puts them under
-`output/kontext_trainer_checkpoints/` (see nodes/training_run.py).
+`output/kontext_trainer_checkpoints/` (see application/training_run.py).
 """
 
 from __future__ import annotations

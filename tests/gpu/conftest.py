@@ -77,10 +77,10 @@ def deterministic():
 def mods(pack_import):
     """The pack's modules as ComfyUI imported them."""
     names = {
-        "ft": "nodes.flux_training",
+        "ft": "comfy_adapter.flux_training",
         "node": "nodes.train_lora",
         "job": "trainer_core.job",
-        "run": "nodes.training_run",
+        "run": "application.training_run",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
         "config": "trainer_core.config",

@@ -1,4 +1,4 @@
-"""ComfyUI 0.33's reused cast memory, on the CPU (issue 29; COMFYUI_NOTES "The cast contract").
+"""ComfyUI 0.33's reused cast memory, on the CPU (issue 29; ARCHITECTURE.md, "ComfyUI facts": cast memory).
 
 On NVIDIA, ComfyUI 0.33 hands a layer whose cast changes no dtype and runs no weight function
 a view of memory it reuses: under dynamic VRAM (its default) a vbar page or an aimdo cast

@@ -1,6 +1,6 @@
 """The pack's former out-of-place copy of ComfyUI 0.3.75's Flux block forwards, kept only as a
 test reference: `tests/nodes/test_flux_training.py` proves that training ComfyUI's own blocks
-(`nodes/flux_blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
+(`comfy_adapter/flux_blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
 block's own submodules and ComfyUI's own `attention` in the block's order, with every residual
 added out of place. They read `flipped_img_txt`, which ComfyUI 0.33's blocks no longer have:
 the reason the pack no longer copies model code. `install_copied_blocks` runs them inside the

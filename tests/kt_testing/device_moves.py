@@ -1,4 +1,4 @@
-"""What a CUDA load does to the weights, on the CPU (COMFYUI_NOTES, "Learned on the GPU").
+"""What a CUDA load does to the weights, on the CPU (ARCHITECTURE.md, "ComfyUI facts": inference mode).
 
 On a GPU, ComfyUI loads a model with `module.to("cuda")` and unloads it with
 `module.to("cpu")`: `Module._apply` swaps every parameter's and buffer's `.data` for a new

@@ -1,4 +1,4 @@
-"""Reaching the GPU code paths on a CPU-only machine (see COMFYUI_NOTES, "Learned the hard way").
+"""Reaching the GPU code paths on a CPU-only machine (ARCHITECTURE.md, "ComfyUI facts").
 
 - `meta_as_gpu`: the MODEL loads onto the `meta` device through ComfyUI's own
   `load_models_gpu`, as onto a GPU with the given free memory (so ComfyUI decides between a

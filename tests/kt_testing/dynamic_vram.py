@@ -1,5 +1,5 @@
-"""ComfyUI 0.33's dynamic VRAM (its default on NVIDIA), on the CPU (issue 30; COMFYUI_NOTES
-"Dynamic VRAM").
+"""ComfyUI 0.33's dynamic VRAM (its default on NVIDIA), on the CPU (issue 30; ARCHITECTURE.md,
+"ComfyUI facts": dynamic VRAM).
 
 On NVIDIA, 0.33's `main.py` initialises comfy-aimdo, sets `memory_management.aimdo_enabled` and
 makes `ModelPatcherDynamic` the `CoreModelPatcher` the stock loaders build. The loader then

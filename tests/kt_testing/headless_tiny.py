@@ -1,4 +1,4 @@
-"""`python -m trainer_core` for the tests: the same command (`trainer_core.cli.main`: boot,
+"""`python -m trainer_core` for the tests: the same command (`application/cli.py`'s `main`: boot,
 config, dataset, data parallel, training, files, progress, signals), with the stock loaders
 replaced by the tiny models the test nodes build (KTTest_TinyFluxModel seed 3,
 KTTest_SmallFluxVAE seed 1, KTTest_TinyCLIP seed 2): no stock loader detects a Flux that small.
@@ -17,7 +17,7 @@ for folder in (ROOT, ROOT / "tests", ROOT / "scripts"):
     if str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
 
-from trainer_core.cli import main  # noqa: E402
+from trainer_core.__main__ import pack_cli  # noqa: E402
 
 
 def load_tiny_models(files):
@@ -28,4 +28,4 @@ def load_tiny_models(files):
 
 
 if __name__ == "__main__":
-    sys.exit(main(load_models=load_tiny_models))
+    sys.exit(pack_cli().main(load_models=load_tiny_models))

@@ -63,7 +63,7 @@ def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
     from kt_testing.tiny_models import tiny_flux_patcher
 
     torch.set_num_threads(1)  # one thread: no per-thread scratch buffers in the figures
-    ft = importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
     sample_type = importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
 
     def sdpa(func, *args, **kwargs):

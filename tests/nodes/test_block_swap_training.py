@@ -16,7 +16,10 @@ def mods(pack_import):
     return type(
         "Mods",
         (),
-        {"ft": pack_import("nodes.flux_training"), "flow_step": pack_import("trainer_core.flow_step")},
+        {
+            "ft": pack_import("comfy_adapter.flux_training"),
+            "flow_step": pack_import("trainer_core.flow_step"),
+        },
     )
 
 

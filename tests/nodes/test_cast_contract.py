@@ -1,4 +1,4 @@
-"""Training never keeps a weight ComfyUI's cast handed a layer (nodes/cast_contract.py), under
+"""Training never keeps a weight ComfyUI's cast handed a layer (comfy_adapter/cast_contract.py), under
 the CPU replay of ComfyUI 0.33's reused cast memory (kt_testing/cast_replay.py).
 
 Each test first shows the replay engaged (casts counted) and that a step which lets autograd
@@ -22,7 +22,7 @@ from kt_testing.tiny_models import tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack_import):
-    return pack_import("nodes.flux_training")
+    return pack_import("comfy_adapter.flux_training")
 
 
 def step(
@@ -111,7 +111,7 @@ def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack):
     """checkpoint does not version-check its inputs: the recompute does, in autograd's words."""
     import comfy.ops
 
-    cast_contract = importlib.import_module(f"{pack.__name__}.nodes.cast_contract")
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
     layer = comfy.ops.manual_cast.Linear(4, 4)
     torch.nn.init.normal_(layer.weight)
     torch.nn.init.zeros_(layer.bias)
@@ -167,7 +167,7 @@ def test_a_resident_cast_view_cached_by_sampling_is_owned_without_a_copy(pack, m
     memory and gets the exact gradient."""
     import comfy.ops
 
-    cast_contract = importlib.import_module(f"{pack.__name__}.nodes.cast_contract")
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
     cast = comfy.ops.cast_bias_weight
 
     def resident_cast(s, *args, **kwargs):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from comfy_adapter.autograd_safe import autograd_unsafe
 from kt_testing.device_moves import emulate_device_moves
 from kt_testing.devices import (
     META,
@@ -27,7 +28,6 @@ from kt_testing.devices import (
 )
 from kt_testing.probes import model_output, tiny_samples
 from kt_testing.tiny_models import small_flux_vae, tiny_flux_patcher
-from trainer_core.autograd_safe import autograd_unsafe
 
 # attention + a single block's fused layer (trained by the default preset) and a modulation
 # layer (not trained by it: its weight stays a plain patched Linear under the run)
@@ -37,10 +37,10 @@ LORA_LAYERS = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "doubl
 @pytest.fixture(scope="module")
 def mods(pack_import):
     names = {
-        "ft": "nodes.flux_training",
+        "ft": "comfy_adapter.flux_training",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
-        "previews": "nodes.preview_sampler",
+        "previews": "comfy_adapter.previews",
     }
     return type("Mods", (), {key: pack_import(name) for key, name in names.items()})
 

@@ -40,7 +40,7 @@ def flux2(comfy_runtime):
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
 
 
 @contextlib.contextmanager
@@ -58,7 +58,7 @@ def captured_ids(diffusion_model):
 
 
 def test_comfyui_detects_the_tiny_model_as_flux2(flux2, pack):
-    family = pack.nodes.model_family
+    family = pack.comfy_adapter.model_family
     assert family.flux_family(flux2).title == "FLUX.2"
     grid = family.token_grid(flux2.model.diffusion_model)  # the pack's own TokenGrid class
     assert (grid.patch_size, grid.axes, grid.ref_index_scale) == (1, 4, 10.0)
@@ -83,7 +83,7 @@ def test_ids_and_output_equal_comfyuis_own_flux2_forward(flux2, pack, layout, co
     assert torch.equal(theirs[0], ours)
 
     batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout, FLUX2_GRID)
-    tokens = pack.nodes.reference_ids.forward_token_batch(
+    tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
         flux, batch, inputs["timestep"], inputs["context"], None, inputs["guidance"]
     )
     (got,) = batch.target_latents(tokens)
@@ -101,7 +101,7 @@ def test_mixed_size_flux2_batch_matches_each_sample_alone(flux2, pack):
         [s["x"][0] for s in singles], [[r[0] for r in s["refs"]] for s in singles], "index", FLUX2_GRID
     )
     assert not batch.valid.all(), "the samples must really differ in length"
-    tokens = pack.nodes.reference_ids.forward_token_batch(
+    tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
         flux,
         batch,
         torch.full((3,), 0.6),
@@ -137,7 +137,7 @@ def test_training_prediction_is_comfyuis_sampling_call_with_its_text(ft, pack):
     with torch.no_grad(), comfy_training_mode(pack):
         denoised = model.model.apply_model(sample.target[None], sigma, **kwargs)
     expected = (sample.target[None] - denoised) / sigma
-    context = pack.nodes.model_family.text_in(model.model)(sample.context)
+    context = pack.comfy_adapter.model_family.text_in(model.model)(sample.context)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=4.0, layout="index")
     with ft.flux_lora_session(model, config) as session, torch.no_grad():
         batch = build_token_batch([sample.target], [sample.references], "index", FLUX2_GRID)
@@ -237,10 +237,10 @@ def test_models_that_share_a_familys_image_model_are_refused_by_name(pack, condi
     layout = "index" if "FLUX.2" in name else "offset"
     with pytest.raises(ValueError, match=message):
         multi_image(pack, model, conditioning, layout, image(64, 64))
-    model_family = importlib.import_module(f"{pack.__name__}.nodes.model_family")
+    model_family = importlib.import_module(f"{pack.__name__}.comfy_adapter.model_family")
     with pytest.raises(ValueError, match=message):
         model_family.check_model_fits(model, SimpleNamespace(entries=[]), layout)
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)

@@ -143,7 +143,7 @@ def test_a_cache_filled_for_one_family_is_never_read_for_the_other(folder, tmp_p
 def test_encoder_identities_name_the_latent_space_and_the_text_encoder(pack_import):
     """Same weights, another family's side: the VAE's latent space and the text encoder's
     class are part of the identity (and so of every cache key)."""
-    identity = pack_import("nodes.comfy_encoders")
+    identity = pack_import("comfy_adapter.comfy_encoders")
     vae, relabelled = small_flux_vae(seed=1), small_flux_vae(seed=1)
     assert identity.vae_identity(vae) == identity.vae_identity(relabelled)
     relabelled.latent_channels, relabelled.downscale_ratio = 128, 16

@@ -17,7 +17,7 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def comfy_forward(model, x, refs, context, y, sigma=0.6):
 
 def test_the_trainable_blocks_reproduce_comfyui_blocks_exactly(ft, pack):
     """ComfyUI's own blocks through the block patches and norm pre-hooks: bit-equal outputs."""
-    flux_blocks = importlib.import_module(f"{pack.__name__}.nodes.flux_blocks")
+    flux_blocks = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks")
     model = tiny_flux_patcher(seed=3)
     patched = model.clone()
     remove = flux_blocks.install_trainable_blocks(patched, checkpointing=False)
@@ -370,4 +370,4 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)

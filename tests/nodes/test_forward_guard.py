@@ -1,4 +1,4 @@
-"""The guard before a run's first step (nodes/forward_guard.py): the training path and ComfyUI's
+"""The guard before a run's first step (comfy_adapter/forward_guard.py): the training path and ComfyUI's
 own forward agree on the user's model within the stated tolerance, and a patch that breaks
 (what a ComfyUI release could do to it) stops the run before any step with one message
 naming the ComfyUI version."""
@@ -16,7 +16,11 @@ from kt_testing.tiny_models import TINY_FAMILIES
 
 @pytest.fixture(scope="module")
 def mods(pack):
-    names = {"ft": "nodes.flux_training", "guard": "nodes.forward_guard", "blocks": "nodes.flux_blocks"}
+    names = {
+        "ft": "comfy_adapter.flux_training",
+        "guard": "comfy_adapter.forward_guard",
+        "blocks": "comfy_adapter.flux_blocks",
+    }
     return type("Mods", (), {k: importlib.import_module(f"{pack.__name__}.{v}") for k, v in names.items()})
 
 
@@ -37,7 +41,7 @@ def test_the_paths_agree_within_the_tolerance(mods, pack, case, dtype):
 
     family, layout = CASES[case]
     patcher = TINY_FAMILIES[family].patcher(seed=4, dtype=dtype)
-    if layout == "index_timestep_zero" and not pack.nodes.model_family.comfy_runs_timestep_zero(
+    if layout == "index_timestep_zero" and not pack.comfy_adapter.model_family.comfy_runs_timestep_zero(
         patcher.model.diffusion_model
     ):
         pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
@@ -139,7 +143,9 @@ def test_the_probe_carries_a_reference_in_the_runs_layout(mods, pack, monkeypatc
     would) computes the same without references but not with them, and the run is refused."""
     from kt_testing.tiny_models import tiny_flux2_patcher
 
-    if not pack.nodes.model_family.comfy_runs_timestep_zero(tiny_flux2_patcher(seed=4).model.diffusion_model):
+    if not pack.comfy_adapter.model_family.comfy_runs_timestep_zero(
+        tiny_flux2_patcher(seed=4).model.diffusion_model
+    ):
         pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
     monkeypatch.setattr(mods.blocks, "call_time_kwargs", lambda extra: {})
     for layout in ("index", "index_timestep_zero"):

@@ -15,7 +15,7 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 @pytest.fixture(scope="module")
 def mods(pack_import):
     names = {
-        "ft": "nodes.flux_training",
+        "ft": "comfy_adapter.flux_training",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
         "vram": "trainer_core.vram",

@@ -108,7 +108,7 @@ def test_second_pass_never_runs_the_encoders(node, tmp_path):
 
 
 def test_encoder_identities_follow_the_weights(pack):
-    identity = importlib.import_module(f"{pack.__name__}.nodes.comfy_encoders")
+    identity = importlib.import_module(f"{pack.__name__}.comfy_adapter.comfy_encoders")
     assert identity.vae_identity(small_flux_vae(seed=1)) == identity.vae_identity(small_flux_vae(seed=1))
     assert identity.vae_identity(small_flux_vae(seed=1)) != identity.vae_identity(small_flux_vae(seed=3))
     plain, patched = tiny_clip(seed=2), tiny_clip(seed=2)
@@ -119,20 +119,22 @@ def test_encoder_identities_follow_the_weights(pack):
     assert identity.clip_identity(plain) != identity.clip_identity(patched)
 
 
-def test_paths_are_checked(node, input_dir):
+def test_paths_are_checked(pack, input_dir):
+    datasets = importlib.import_module(f"{pack.__name__}.application.datasets")
+    use_path = datasets.USE_PATH
     with pytest.raises(ValueError, match="path: 'relative/set' is not absolute"):
-        node.resolve_dataset_folder(node.USE_PATH, "relative/set", input_dir)
+        datasets.resolve_dataset_folder(use_path, "relative/set", input_dir)
     with pytest.raises(ValueError, match="outside ComfyUI's input directory"):
-        node.resolve_dataset_folder("../../etc", "", input_dir)
+        datasets.resolve_dataset_folder("../../etc", "", input_dir)
     with pytest.raises(ValueError, match="folder: pick a folder"):
-        node.resolve_dataset_folder(node.USE_PATH, "", input_dir)
+        datasets.resolve_dataset_folder(use_path, "", input_dir)
     with pytest.raises(ValueError, match="cache_folder: 'cache' is not absolute"):
-        node.resolve_cache_folder("cache", input_dir)
-    assert node.resolve_cache_folder("", Path("/out")) == Path("/out") / node.CACHE_FOLDER_NAME
+        datasets.resolve_cache_folder("cache", input_dir)
+    assert datasets.resolve_cache_folder("", Path("/out")) == Path("/out") / datasets.CACHE_FOLDER_NAME
 
 
 def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
-    ft = importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
     loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
     dataset, _ = run(

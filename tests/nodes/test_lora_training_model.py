@@ -17,12 +17,12 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
 
 
 @pytest.fixture(scope="module")
 def run(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.training_run")
+    return importlib.import_module(f"{pack.__name__}.application.training_run")
 
 
 @pytest.fixture(scope="module")

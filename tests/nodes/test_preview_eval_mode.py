@@ -13,8 +13,8 @@ from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
 
 def test_previews_sample_without_lora_dropout_and_restore_train_mode(pack):
-    ft = importlib.import_module(f"{pack.__name__}.nodes.flux_training")
-    previews = importlib.import_module(f"{pack.__name__}.nodes.preview_sampler")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    previews = importlib.import_module(f"{pack.__name__}.comfy_adapter.previews")
     lora_file = importlib.import_module(f"{pack.__name__}.trainer_core.lora_file")
     clip = tiny_clip(seed=2)
     positive = clip.encode_from_tokens_scheduled(clip.tokenize("make it blue"))

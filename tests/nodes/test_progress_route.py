@@ -8,9 +8,9 @@ import json
 import threading
 
 
-def test_the_node_modules_share_the_core_job_manager(pack_import):
+def test_the_run_service_and_the_route_share_the_core_job_manager(pack_import):
     core = pack_import("trainer_core.job")
-    assert pack_import("nodes.train_lora").MANAGER is core.MANAGER
+    assert pack_import("application.run_service").MANAGER is core.MANAGER
     assert pack_import("nodes.progress_route").MANAGER is core.MANAGER
 
 

@@ -28,7 +28,11 @@ pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 @pytest.fixture(scope="module")
 def mods(pack_import):
-    names = {"ft": "nodes.flux_training", "loop": "trainer_core.loop", "flow_step": "trainer_core.flow_step"}
+    names = {
+        "ft": "comfy_adapter.flux_training",
+        "loop": "trainer_core.loop",
+        "flow_step": "trainer_core.flow_step",
+    }
     return type("Mods", (), {key: pack_import(name) for key, name in names.items()})
 
 
@@ -180,7 +184,7 @@ def test_fp8_scaled_on_a_quantized_model_is_refused_in_one_line(mods):
 
 def test_the_stored_bytes_and_formats_are_read_from_the_quantized_layers(pack_import):
     """The VRAM estimate reads the bytes per stored weight, the metadata the formats."""
-    comfy_quantized = pack_import("nodes.comfy_quantized")
+    comfy_quantized = pack_import("comfy_adapter.comfy_quantized")
     quantized, plain = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
     qkv = "double_blocks.0.img_attn.qkv"
     assert comfy_quantized.stored_weight_bytes(quantized.diffusion_model.get_submodule(qkv)) == 1
@@ -387,7 +391,7 @@ def test_a_lora_trained_on_a_quantized_file_applies_to_the_full_precision_model(
 
 
 def test_start_from_lora_on_a_quantized_model(mods, tmp_path, pack_import):
-    training_run = pack_import("nodes.training_run")
+    training_run = pack_import("application.training_run")
     quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
     path, _ = trained_file(mods, tmp_path, quantized, steps=1)
     config = mods.ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear")
@@ -425,7 +429,7 @@ def test_block_swap_on_a_quantized_model_gives_the_same_gradients(mods):
 
 
 def test_a_format_no_test_has_trained_is_refused_naming_it(mods, pack_import, monkeypatch):
-    comfy_quantized = pack_import("nodes.comfy_quantized")
+    comfy_quantized = pack_import("comfy_adapter.comfy_quantized")
     monkeypatch.setattr(comfy_quantized, "TRAINED_FORMATS", ("nvfp4",))  # as if e4m3 were untried
     quantized, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1)
     words = r"in ComfyUI's float8_e4m3fn format, .* load this model's fp8"

@@ -37,7 +37,7 @@ def comfy_has_timestep_zero() -> bool:
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def on_033(comfy_runtime):
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.nodes.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)
 
 
 def image(height, width, seed=0):
@@ -126,7 +126,7 @@ def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft,
         velocity = (sample.target[None] - denoised) / s
         return velocity.flatten(2).transpose(1, 2)[0]  # 1x1 patches: a token per latent pixel
 
-    text_in = pack.nodes.model_family.text_in(model.model)
+    text_in = pack.comfy_adapter.model_family.text_in(model.model)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=4.0, layout=LAYOUT)
     with ft.flux_lora_session(model, config) as session, torch.no_grad():
         randomise_lora(session, seed=4)
@@ -178,7 +178,7 @@ def test_flux1_is_refused_the_timestep_zero_layout(comfy_runtime, pack, ft):
     flux1 = tiny_flux_patcher(seed=0)
     message = r"layout 'index_timestep_zero' does not fit a FLUX\.1 model; choose one of offset"
     with pytest.raises(ValueError, match=message):
-        pack.nodes.model_family.check_layout_fits(flux1, LAYOUT, "MultiImageConditioning's model")
+        pack.comfy_adapter.model_family.check_layout_fits(flux1, LAYOUT, "MultiImageConditioning's model")
     with pytest.raises(ValueError, match=message):
         with ft.flux_lora_session(flux1, ft.TrainConfig(rank=2, alpha=2.0, layout=LAYOUT)):
             pass

@@ -31,7 +31,7 @@ def read(path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def wc(pack_import):
-    return pack_import("nodes.workflow_config")
+    return pack_import("application.workflow_config")
 
 
 @pytest.fixture(scope="module")
@@ -342,7 +342,8 @@ def test_load_kontext_dataset_widgets_are_the_hand_written_ones(pack_import):
         return [(i.id, i.get_io_type(), i.as_dict()) for i in inputs]
 
     assert described(now) == described(before)
-    assert node.USE_PATH == use_path and list(node.BACKGROUNDS) == ["white", "black", "gray"]
+    options = pack_import("trainer_core.dataset_options")
+    assert options.USE_PATH == use_path and list(options.BACKGROUNDS) == ["white", "black", "gray"]
 
 
 def test_trainer_options_are_trainloras_own_widgets(comfy_runtime, rc):

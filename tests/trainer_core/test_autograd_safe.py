@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_core.autograd_safe import make_autograd_safe_
+from comfy_adapter.autograd_safe import make_autograd_safe_
 
 
 def loaded_under_inference_mode() -> torch.nn.Sequential:
@@ -83,7 +83,7 @@ def test_tied_weights_stay_tied_and_normal_tensors_keep_their_identity():
 
 
 def moved_after_an_inference_mode_load(convert) -> torch.nn.Sequential:
-    """What the GPU showed (COMFYUI_NOTES, "Learned on the GPU"): weights created under inference
+    """What the GPU showed (ARCHITECTURE.md, "ComfyUI facts": inference mode): weights created under inference
     mode (a loader in the executor), then converted by `Module._apply` outside it (the move to
     CUDA, a dtype change): `is_inference()` is False, and the version counter is missing."""
     module = loaded_under_inference_mode()
@@ -160,7 +160,7 @@ def test_shared_memory_makes_no_copy_and_keeps_the_tensors_attributes():
 
 
 def test_without_storage_to_share_it_copies():
-    from trainer_core.autograd_safe import shared_copy
+    from comfy_adapter.autograd_safe import shared_copy
 
     with torch.inference_mode():
         meta = torch.empty(2, 2, device="meta")

@@ -88,7 +88,7 @@ def test_structure_digest_is_the_old_patch_fingerprint():
 
 
 def test_clip_identity_composition_is_unchanged():
-    """nodes.comfy_encoders.clip_identity: the weights' identity with the patches' digest."""
+    """comfy_adapter.comfy_encoders.clip_identity: the weights' identity with the patches' digest."""
     ours = weights_identity(named_tensors(), extra=("clip", structure_digest(patches())))
     assert ours == old_identity_of(named_tensors(), extra=old_clip_extra(patches()))
 

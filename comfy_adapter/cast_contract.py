@@ -85,7 +85,7 @@ def own_resident_views(layer: torch.nn.Module) -> int:
     (under inference mode) is an inference tensor, which autograd refuses to save ("Inference
     tensors cannot be saved for backward"). Such views are replaced by normal tensors over the
     same VRAM (`shared_copy`: no copy); returns how many."""
-    from ..trainer_core.autograd_safe import shared_copy
+    from .autograd_safe import shared_copy
 
     count = 0
     for name in RESIDENT_VIEWS:

@@ -7,26 +7,26 @@
 
 (run from the pack's folder, e.g. ComfyUI/custom_nodes/kontext-trainer, with ComfyUI's Python.)
 
-This module only parses the command and finds ComfyUI (KONTEXT_TRAINER_COMFYUI, else the
-ComfyUI this pack is installed in, else the bundled `.comfyui/`); it never imports ComfyUI
-itself. `nodes/comfy_boot.py` sets the options ComfyUI reads at import (the config's base
-directory, CPU or this process's GPU) as `main.py` would and imports the pack as a package
-(`kontext_trainer`); `nodes/headless.py` then loads the models with ComfyUI's own loaders and
-trains with the node's training code.
+`trainer_core/__main__.py` is the door: it sets the pack up as one package (`kontext_trainer`)
+and calls `main`. This module parses the command and finds ComfyUI (KONTEXT_TRAINER_COMFYUI,
+else the ComfyUI this pack is installed in, else the bundled `.comfyui/`);
+`comfy_adapter/comfy_boot.py` sets the options ComfyUI reads at import (the config's base
+directory, CPU or this process's GPU) as `main.py` would, runs the pack's entry point and
+registers its nodes as ComfyUI's loader does; `application/headless.py` then loads the models
+with ComfyUI's own loaders and trains through the same run as the TrainLoRA node.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
-import importlib.util
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
 
+from ..comfy_adapter import comfy_boot
+
 PACK_ROOT = Path(__file__).resolve().parents[1]
-PACKAGE = "kontext_trainer"  # the name the pack is imported under here
 COMFYUI_ENV = "KONTEXT_TRAINER_COMFYUI"
 
 
@@ -47,16 +47,10 @@ def comfyui_root() -> Path:
 
 
 def boot(base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True) -> ModuleType:
-    """ComfyUI's runtime in this process and the pack as `kontext_trainer`: done by
-    `nodes/comfy_boot.py` (ComfyUI glue stays out of trainer_core), loaded by its path because
-    the pack's package can only be imported once ComfyUI's options are set."""
-    root = comfyui_root()
-    spec = importlib.util.spec_from_file_location(
-        "kontext_trainer_boot", PACK_ROOT / "nodes" / "comfy_boot.py"
-    )
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.boot(root, PACK_ROOT, PACKAGE, base_directory, use_cuda, dynamic_vram)
+    """ComfyUI's runtime in this process, then the pack's entry point run and its nodes
+    registered (`comfy_adapter/comfy_boot.py`); returns the pack's package."""
+    pack = sys.modules[__package__.rpartition(".")[0]]
+    return comfy_boot.boot(comfyui_root(), pack, base_directory, use_cuda, dynamic_vram)
 
 
 def wants_cuda(force_cpu: bool) -> bool:
@@ -131,8 +125,9 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
     else:
         base = _config_base_directory(options.config)
     dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
-    pack = boot(base, options.use_cuda, dynamic_vram)
-    headless = importlib.import_module(f"{pack.__name__}.nodes.headless")
+    boot(base, options.use_cuda, dynamic_vram)
+    from . import headless  # after the boot: it imports ComfyUI
+
     if options.command == "train":
         return headless.train_command(options, load_models)
     return headless.convert_command(options)
@@ -141,7 +136,7 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
 def _config_base_directory(path: Path) -> Path:
     """The config's base directory, read before ComfyUI boots (its folders are fixed at import);
     the full config is checked after."""
-    from .run_config import load_run_config
+    from ..trainer_core.run_config import load_run_config
 
     try:
         return load_run_config(path).base_directory

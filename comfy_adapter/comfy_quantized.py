@@ -16,7 +16,7 @@ from collections import Counter
 
 import torch
 
-from ..trainer_core.autograd_safe import is_packed
+from .autograd_safe import is_packed
 from .cast_contract import is_linear
 
 

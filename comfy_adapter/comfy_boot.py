@@ -1,7 +1,7 @@
 """Boot ComfyUI's runtime in this process without its server, for the command line
-(`trainer_core/cli.py` loads this file by path, before the pack's package can be imported:
-ComfyUI reads its options, e.g. the base directory, when its modules are first imported).
-No relative imports here."""
+(`application/cli.py` calls it before anything of the pack that imports ComfyUI: ComfyUI reads
+its options, e.g. the base directory, when its modules are first imported). Nothing here
+imports ComfyUI at module level."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from types import ModuleType
 
 def boot(
     root: Path,
-    pack_root: Path,
-    package: str,
+    pack: ModuleType,
     base_directory: Path | None,
     use_cuda: bool,
     dynamic_vram: bool = True,
 ) -> ModuleType:
     """ComfyUI (at `root`) in this process, set as `main.py` sets it (`--cpu` unless
-    `use_cuda`, `--base-directory`), then the pack (at `pack_root`) imported as `package`.
+    `use_cuda`, `--base-directory`), then the pack's `__init__.py` run in `pack` (its package,
+set up by `trainer_core/__main__.py`) and its nodes registered as ComfyUI's loader does.
 
     On a GPU it loads models the way the server does on the same machine: ComfyUI's
     `cuda_malloc` picks the allocator (cudaMallocAsync where `main.py` would) before CUDA
@@ -58,7 +58,8 @@ def boot(
         importlib.import_module(module)
     on = aimdo is not None and _enable_dynamic_vram(aimdo)
     print(f"[kontext-trainer] {loading_mode(use_cuda, has_dynamic_vram, dynamic_vram, on)}", flush=True)
-    return import_pack(pack_root, package)
+    start_pack(pack)
+    return pack
 
 
 def loading_mode(use_cuda: bool, has_dynamic_vram: bool, wanted: bool, on: bool) -> str:
@@ -125,13 +126,19 @@ def _enable_dynamic_vram(control) -> bool:
     return bool(ready)
 
 
-def import_pack(pack_root: Path, package: str) -> ModuleType:
-    if package in sys.modules:
-        return sys.modules[package]
-    spec = importlib.util.spec_from_file_location(
-        package, pack_root / "__init__.py", submodule_search_locations=[str(pack_root)]
-    )
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[package] = module
-    spec.loader.exec_module(module)
-    return module
+def start_pack(pack: ModuleType) -> None:
+    """Run the pack's `__init__.py` (once) and register its nodes in ComfyUI's registry, as
+    ComfyUI's custom-node loader does for a V3 entry point: the CLI then finds the pack's nodes
+    (e.g. to read a workflow's widgets) where it finds the stock ones."""
+    import asyncio
+
+    from .comfy_registry import register_nodes
+
+    if not hasattr(pack, "WEB_DIRECTORY"):
+        pack.__spec__.loader.exec_module(pack)
+
+    async def node_list():
+        extension = await pack.comfy_entrypoint()
+        return await extension.get_node_list()
+
+    register_nodes(asyncio.run(node_list()))

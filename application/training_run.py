@@ -23,6 +23,13 @@ from pathlib import Path
 
 import torch
 
+from ..comfy_adapter.cast_contract import linear_names
+from ..comfy_adapter.comfy_loading import interrupted_error
+from ..comfy_adapter.comfy_quantized import stored_weight_bytes, weight_formats
+from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
+from ..comfy_adapter.flux_training import FluxLoraSession, flux_lora_session
+from ..comfy_adapter.model_family import flux_family, text_in
+from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
 from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
@@ -38,12 +45,6 @@ from ..trainer_core.run_files import LoraPaths, remove_stale_partials, snapshot_
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
 from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
-from .cast_contract import linear_names
-from .comfy_quantized import stored_weight_bytes, weight_formats
-from .dynamic_vram import dynamic_vram_notes
-from .flux_training import FluxLoraSession, flux_lora_session
-from .model_family import flux_family, text_in
-from .preview_sampler import PreviewSettings, sample_previews, save_previews
 
 LOGGER = logging.getLogger("kontext_trainer")
 PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in the temp folder)
@@ -293,9 +294,7 @@ def run_training(
     run: Run,
     preview: PreviewSettings | None = None,
 ) -> TrainingOutcome:
-    import comfy.model_management
-
-    interrupted = comfy.model_management.InterruptProcessingException
+    interrupted = interrupted_error()
     paths, collective, writes = run.paths, run.collective, run.rank == 0
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
     if not dataset.entries:

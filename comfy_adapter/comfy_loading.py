@@ -102,3 +102,10 @@ def held_for_training(patcher):
         patcher.remove_wrappers_with_key(kind, HOLD_KEY)
         for loaded in reversed(held):
             comfy.model_management.current_loaded_models.insert(0, loaded)
+
+
+def interrupted_error() -> type[Exception]:
+    """The exception ComfyUI's ops raise inside a run when the user presses Cancel."""
+    import comfy.model_management
+
+    return comfy.model_management.InterruptProcessingException

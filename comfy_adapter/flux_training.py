@@ -50,7 +50,6 @@ from pathlib import Path
 import torch
 
 from ..trainer_core import lora_file
-from ..trainer_core.autograd_safe import is_packed, make_autograd_safe_, put_back_
 from ..trainer_core.block_swap import BlockSwapper, choose_swapped
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.flow_step import EmptyText, flow_matching_loss
@@ -60,6 +59,7 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.lora_targets import target_module_names
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ..trainer_core.token_batch import TokenBatch, pack_latent
+from .autograd_safe import is_packed, make_autograd_safe_, put_back_
 from .cast_contract import linear_names, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training, is_dynamic
 from .comfy_quantized import check_quantized_model, fp8_backward

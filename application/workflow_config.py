@@ -13,15 +13,13 @@ from ComfyUI's own classes).
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
+from ..comfy_adapter.comfy_registry import node_class
 from ..trainer_core.run_config import CHECKPOINTS, RunConfig, parse_run_config
-from .extension_ids import node_id as prefixed_id
-from .load_kontext_dataset import LoadKontextDataset
-from .train_lora import TrainLoRA
+from .node_ids import node_id as prefixed_id
 
 TRAIN = prefixed_id("TrainLoRA")
 DATASET = prefixed_id("LoadKontextDataset")
@@ -60,17 +58,6 @@ class WidgetSpec:
     name: str
     kind: str
     trailing: int  # values the frontend saves after this one (its control_after_generate widgets)
-
-
-def node_class(class_type: str) -> type:
-    ours = {TRAIN: TrainLoRA, DATASET: LoadKontextDataset}
-    if class_type in ours:
-        return ours[class_type]
-    # ComfyUI's own top-level `nodes` module, by name: the pack's `nodes` is reached relatively
-    comfy_nodes = importlib.import_module("nodes")
-    if class_type not in comfy_nodes.NODE_CLASS_MAPPINGS:
-        raise ValueError(f"the node type {class_type} is not installed in this ComfyUI")
-    return comfy_nodes.NODE_CLASS_MAPPINGS[class_type]
 
 
 def widget_specs(cls: type) -> list[WidgetSpec]:

@@ -1,13 +1,13 @@
 """The headless door: a TOML config (`trainer_core.run_config`) trained without the graph, by
-the same code the nodes run (`trainer_core.cli` boots ComfyUI and calls `train_command`).
+the same code the nodes run (`application.cli` boots ComfyUI and calls `train_command`).
 
 1. the model files load through ComfyUI's own loader nodes (UNETLoader, VAELoader, CLIPLoader /
    DualCLIPLoader), as in the graph;
 2. the dataset loads and encodes as LoadKontextDataset does (`load_dataset`, the same cache);
    data parallel, the first process of each machine fills the cache while the others wait;
-3. the run is checked as TrainLoRA checks it (name, overwrite, resume, start LoRA) and trains
-   in the same background job (`run_training`): the same LoRA file, snapshots, checkpoints,
-   and the loss chart beside the LoRA;
+3. the run goes through the run service TrainLoRA uses (`run_service`): the same checks (name,
+   overwrite, resume, start LoRA, model fit), the same background job, the same LoRA file,
+   snapshots, checkpoints, and the loss chart beside the LoRA;
 4. progress prints as a bar (step, loss, s/step, ETA); Ctrl-C (or torchrun's SIGTERM) stops
    after the current step with a checkpoint to resume from, as Cancel does in the graph.
 
@@ -30,27 +30,13 @@ import torch
 
 from ..trainer_core import distributed
 from ..trainer_core.atomic import write_atomic
-from ..trainer_core.checkpoint import read_state
 from ..trainer_core.distributed import Collective, PeerLost
-from ..trainer_core.job import MANAGER, Progress, wait_for
-from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
-from ..trainer_core.names import lora_stem
-from ..trainer_core.resume import check_resume
+from ..trainer_core.job import Progress
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
-from ..trainer_core.run_files import LoraPaths
-from .comfy_quantized import check_quantized_model
-from .load_kontext_dataset import load_dataset
-from .model_family import check_model_fits
-from .train_lora import (
-    NO_RESUME,
-    NO_START,
-    check_existing,
-    checkpoints_root,
-    loras_dir,
-    resolve_resume,
-    resolve_start,
-)
-from .training_run import Run, TrainingOutcome, run_training
+from .datasets import load_dataset
+from .run_policy import resume_folder, start_file
+from .run_service import PreparedRun, RunRequest, prepare
+from .training_run import TrainingOutcome
 from .workflow_config import config_from_workflow, node_class, workflow_from_config
 
 LOGGER = logging.getLogger("kontext_trainer")
@@ -149,49 +135,20 @@ def _encode_progress(rank: int):
 # --- 3) the run ---------------------------------------------------------------------------------
 
 
-def resume_folder(choice: str) -> Path | None:
-    """`[train] resume_from`: 'none', a checkpoint as TrainLoRA lists it (under the base
-    directory's output/kontext_trainer_checkpoints), or the absolute path of a checkpoint
-    folder (e.g. of another ComfyUI's run)."""
-    path = Path(choice).expanduser()
-    if path.is_absolute():
-        if not path.is_dir():
-            raise ValueError(
-                f"[train] resume_from: {path} is not a checkpoint folder; give a step_NNNNNN folder"
-            )
-        return path
-    return resolve_resume(choice)
-
-
-def start_file(choice: str) -> Path | None:
-    path = Path(choice).expanduser()
-    if choice not in ("", NO_START) and path.is_absolute():
-        if not path.is_file():
-            raise ValueError(f"[train] start_from_lora: {path} does not exist; give a LoRA file")
-        return path
-    return resolve_start(choice)
-
-
-def prepare_run(config: RunConfig, collective: Collective | None) -> tuple[Run, dict | None]:
+def prepare_run(config: RunConfig, collective: Collective | None) -> PreparedRun:
     """TrainLoRA's checks that need no model (names, overwrite, the files to start from): made
-    before anything loads. Returns the run and the resumed checkpoint's state.json, whose match
-    with the dataset `check_run_resume` checks once the dataset is loaded."""
-    import folder_paths
-
+    before anything loads; the rest (`check_fit`) once the model and the dataset are loaded."""
     trainer = config.trainer
-    paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(trainer.lora_name))
-    resume = resume_folder(trainer.resume_from) if trainer.resume_from not in ("", NO_RESUME) else None
-    replaces = check_existing(paths, trainer.overwrite, resuming=resume is not None)
-    # a complete checkpoint, or a message naming what is missing
-    state = read_state(resume) if resume is not None else None
-    start = start_file(trainer.start_from_lora) if resume is None else None
-    temp = Path(folder_paths.get_temp_directory())
-    return Run(paths, resume, replaces, temp, start, collective), state
-
-
-def check_run_resume(run: Run, state: dict | None, config: RunConfig, dataset) -> None:
-    if state is not None:
-        check_resume(state, config.train, dataset.content_hash, run.world_size)
+    resume = resume_folder(trainer.resume_from)
+    request = RunRequest(
+        trainer.lora_name,
+        config.train,
+        trainer.overwrite,
+        resume,
+        start_file(trainer.start_from_lora) if resume is None else None,
+        collective,
+    )
+    return prepare(request)
 
 
 # --- 4) progress and stopping -------------------------------------------------------------------
@@ -296,29 +253,24 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
     if world > 1:
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
-        run, state = in_section("train", lambda: prepare_run(config, collective))
+        prepared = in_section("train", lambda: prepare_run(config, collective))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
         dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
-        in_section("train", lambda: check_run_resume(run, state, config, dataset))
-        in_section("model", lambda: check_model_fits(model, dataset, config.train.layout))
-        in_section("train", lambda: check_quantized_model(model, config.train.fp8_mode))
-        if run.resume is not None:
-            say(f"resuming {run.resume}", rank)
+        in_section("train", lambda: prepared.check_fit(model, dataset))
+        if prepared.run.resume is not None:
+            say(f"resuming {prepared.run.resume}", rank)
         printer = ProgressPrinter(rank)
 
         def on_poll(progress: Progress) -> None:
             printer(progress)
             if stop.requested.is_set():
-                job.stop_requested.set()
+                prepared.job.stop_requested.set()
 
-        job = MANAGER.start(
-            run.paths.stem, lambda job: run_training(job, model, dataset, config.train, run, None)
-        )
-        outcome: TrainingOutcome = wait_for(job, on_poll, lambda: None)
-    return _finish(run, outcome, rank)
+        outcome = prepared.run_to_end(model, dataset, on_poll)
+    return _finish(prepared, outcome, rank)
 
 
 def in_section(section: str, action):
@@ -333,16 +285,15 @@ def in_section(section: str, action):
         raise ValueError(f"[{section}] {message}") from None
 
 
-def _finish(run: Run, outcome: TrainingOutcome, rank: int) -> int:
-    paths = run.paths
+def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
+    paths = prepared.paths
     if outcome.cancelled:
         if rank == 0 and outcome.checkpoint is not None:
             say(f"stopped after step {len(outcome.losses)}; checkpoint {outcome.checkpoint}")
             say(f'to resume, set resume_from = "{paths.checkpoint_choice(outcome.checkpoint)}" in [train]')
         return EXIT_STOPPED
+    prepared.finish(outcome)
     if rank == 0:
-        chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
-        save_png_atomic(chart, paths.loss_chart)
         say(f"LoRA saved: {paths.lora}")
         say(f"loss chart: {paths.loss_chart}")
         if outcome.losses:
@@ -358,7 +309,7 @@ def train_command(options, load_models=None) -> int:
             config,
             load_models,
             options.timeout_minutes,
-            use_cuda=options.use_cuda,  # decided before ComfyUI booted (trainer_core.cli)
+            use_cuda=options.use_cuda,  # decided before ComfyUI booted (application.cli)
         )
     except (ValueError, OSError) as error:  # OSError: e.g. an incomplete checkpoint folder
         message = str(error)

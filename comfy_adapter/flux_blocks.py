@@ -2,9 +2,9 @@
 
 ComfyUI's `DoubleStreamBlock` / `SingleStreamBlock` add their residuals in place
 (`img += ...`). A plain backward through them fails ("modified by an inplace operation")
-and a checkpointed one can silently compute wrong gradients (COMFYUI_NOTES). The pack keeps no
-copy of their code (a copy broke on ComfyUI 0.33, whose blocks lost `flipped_img_txt`);
-three things make the blocks themselves trainable:
+and a checkpointed one can silently compute wrong gradients (ARCHITECTURE.md, "ComfyUI
+facts"). The pack keeps no copy of their code (a copy broke on ComfyUI 0.33, whose blocks lost
+`flipped_img_txt`); three things make the blocks themselves trainable:
 
 1. **Norm pre-hooks** (`residual_safe_norms`): every norm that reads a residual stream
    (`RESIDUAL_NORMS`) gets a copy of its input, so the block's later `+=` cannot change what

@@ -1,0 +1,117 @@
+"""A dataset folder -> an encoded KontextDataset, with ComfyUI's folders and encoders: where the
+dataset and its cache live (ComfyUI's input and output directories, or absolute paths), and
+`load_dataset`, which LoadKontextDataset and headless runs both call.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+from ..comfy_adapter.comfy_encoders import comfy_encoders
+from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
+from ..trainer_core.dataset_files import scan_dataset
+from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
+from ..trainer_core.encode_cache import EncodeCache
+
+LOGGER = logging.getLogger("kontext_trainer")
+
+
+def resolve_dataset_folder(folder: str, path: str, input_dir: Path) -> Path:
+    """The dataset folder: `path` if given (absolute), else `folder` under the input directory."""
+    if path.strip():
+        chosen = Path(path.strip()).expanduser()
+        if not chosen.is_absolute():
+            raise ValueError(
+                f"path: '{path}' is not absolute; give a full path such as /data/my_set, "
+                "or leave it empty and pick a folder of ComfyUI's input directory"
+            )
+        return chosen
+    if folder in ("", USE_PATH):
+        raise ValueError("folder: pick a folder of ComfyUI's input directory, or give an absolute path")
+    input_dir = input_dir.resolve()
+    chosen = (input_dir / folder).resolve()
+    if chosen != input_dir and input_dir not in chosen.parents:
+        spelled = Path(os.path.normpath(input_dir / folder))
+        if spelled == input_dir or input_dir in spelled.parents:  # inside by name: a link leads out
+            raise ValueError(
+                f"folder: '{folder}' is a link to {chosen}, outside ComfyUI's input directory, and "
+                f"links out of it are not followed; give the folder's real location in path: {chosen}"
+            )
+        raise ValueError(
+            f"folder: '{folder}' points outside ComfyUI's input directory; pick a folder inside it, "
+            "or give an absolute path in path"
+        )
+    return chosen
+
+
+def resolve_cache_folder(cache_folder: str, output_dir: Path) -> Path:
+    if not cache_folder.strip():
+        return Path(output_dir) / CACHE_FOLDER_NAME
+    chosen = Path(cache_folder.strip()).expanduser()
+    if not chosen.is_absolute():
+        raise ValueError(
+            f"cache_folder: '{cache_folder}' is not absolute; give a full path or leave it empty"
+        )
+    return chosen
+
+
+def prepare_cache_folder(cache_root: Path) -> None:
+    """The cache folder exists and takes files, or a message naming the field and the fix."""
+    try:
+        EncodeCache(cache_root).prepare()
+    except OSError as error:
+        existing = next((p for p in (cache_root, *cache_root.parents) if p.exists()), None)
+        if existing is not None and not existing.is_dir():
+            reason = f"{existing} is a file, not a folder"
+        else:
+            reason = error.strerror or str(error)
+        raise ValueError(
+            f"cache_folder: cannot create or write to {cache_root} ({reason}); give a folder ComfyUI "
+            f"may create and write to, or leave cache_folder empty to use output/{CACHE_FOLDER_NAME}"
+        ) from None
+
+
+def summary(dataset: KontextDataset) -> str:
+    buckets = ", ".join(f"{w}x{h}: {len(idx)}" for (w, h), idx in dataset.buckets().items())
+    lines = [
+        f"{len(dataset.entries)} training + {len(dataset.held_out)} held-out samples "
+        f"({dataset.folder_structure.replace('_', ' ')}), {dataset.reference_count} reference(s) each",
+        f"buckets {buckets}",
+        f"encoded {dataset.encoded_images} image(s) and {dataset.encoded_texts} caption(s); "
+        f"{dataset.cache.hits} cache hit(s); cache {dataset.cache.root}",
+        *dataset.notices,
+    ]
+    return "\n".join(lines)
+
+
+
+
+def load_dataset(
+    vae, clip, options: DatasetOptions, progress: Callable[[int, int], None] | None = None
+) -> tuple[KontextDataset, str]:
+    """The dataset `options` describe, encoded with `vae` and `clip` (ComfyUI's VAE and CLIP),
+    and its report. Folders resolve against ComfyUI's input and output directories. The whole
+    folder is validated first (every problem in one ValueError, nothing written); `progress(done,
+    total)` follows the encoding."""
+    import folder_paths
+
+    root = resolve_dataset_folder(options.folder, options.path, Path(folder_paths.get_input_directory()))
+    cache_root = resolve_cache_folder(options.cache_folder, Path(folder_paths.get_output_directory()))
+    scan = scan_dataset(root, min_size=options.min_size)  # raises with every problem; nothing written
+    prepare_cache_folder(cache_root)
+    settings = DatasetSettings(
+        options.resolution,
+        options.reference_resolution,
+        BACKGROUNDS[options.background],
+        options.hold_out,
+        options.seed,
+    )
+    dataset = build_dataset(
+        scan, comfy_encoders(vae, clip), EncodeCache(cache_root), settings, progress=progress
+    )
+    report = summary(dataset)
+    LOGGER.info("LoadKontextDataset %s:\n%s", root, report)
+    return dataset, report

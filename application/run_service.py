@@ -1,0 +1,109 @@
+"""One training run, as the TrainLoRA node and the command line both run it.
+
+    request = RunRequest(lora_name, config, overwrite, resume, start_from)
+    prepared = prepare(request)                  # files: names, overwrite, what the run starts from
+    prepared.check_fit(model, dataset)           # the resume matches, the model can train this
+    outcome = prepared.run(model, dataset, ...)  # the job thread, polled until it ends
+    chart = prepared.finish(outcome)             # the loss chart beside the LoRA (None: stopped)
+
+`prepare` makes the checks that need no model, so a front end can make them before it loads
+anything (the CLI does); `check_fit` those that need the model and the dataset. Both raise
+ValueError with the field and the fix. What differs between the front ends stays in them: how a
+`resume_from` / `start_from_lora` choice becomes a path (`run_policy`), how progress is shown,
+and how a stop is asked for (Cancel, Ctrl-C).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..comfy_adapter.comfy_quantized import check_quantized_model
+from ..comfy_adapter.model_family import check_model_fits
+from ..comfy_adapter.previews import PreviewSettings
+from ..trainer_core.checkpoint import read_state
+from ..trainer_core.config import TrainConfig
+from ..trainer_core.distributed import Collective
+from ..trainer_core.job import MANAGER, Progress, TrainingJob, wait_for
+from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
+from ..trainer_core.names import lora_stem
+from ..trainer_core.resume import check_resume
+from ..trainer_core.run_files import LoraPaths
+from .run_policy import check_existing, checkpoints_root, loras_dir, temp_dir
+from .training_run import Run, TrainingOutcome, run_training
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    """What a front end asks for, with its choices already resolved to files."""
+
+    lora_name: str
+    config: TrainConfig
+    overwrite: bool = False
+    resume: Path | None = None  # a checkpoint folder to continue exactly
+    start_from: Path | None = None  # a LoRA file whose weights seed a new run (unused on resume)
+    collective: Collective | None = None  # data parallel (the CLI under torchrun)
+
+
+@dataclass
+class PreparedRun:
+    request: RunRequest
+    run: Run
+    state: dict | None = None  # the resumed checkpoint's state.json
+    job: TrainingJob | None = field(default=None, repr=False)
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.request.config
+
+    @property
+    def paths(self) -> LoraPaths:
+        return self.run.paths
+
+    def check_fit(self, model, dataset) -> None:
+        """The resume continues this run exactly (same settings, dataset and processes), and
+        the model can train this dataset with this config."""
+        if self.state is not None:
+            check_resume(self.state, self.config, dataset.content_hash, self.run.world_size)
+        check_model_fits(model, dataset, self.config.layout)
+        check_quantized_model(model, self.config.fp8_mode)
+
+    def run_to_end(
+        self,
+        model,
+        dataset,
+        on_poll: Callable[[Progress], None],
+        raise_if_interrupted: Callable[[], None] = lambda: None,
+        preview: PreviewSettings | None = None,
+        meta: dict | None = None,
+    ) -> TrainingOutcome:
+        """Train in the job's thread; `on_poll(progress)` runs on this thread while it waits
+        (it may ask the job to stop, or raise to cancel it)."""
+        run, config = self.run, self.config
+        self.job = MANAGER.start(
+            self.paths.stem, lambda job: run_training(job, model, dataset, config, run, preview), meta=meta
+        )
+        return wait_for(self.job, on_poll, raise_if_interrupted)
+
+    def finish(self, outcome: TrainingOutcome):
+        """The loss chart of a finished run, saved beside the LoRA (by the process that writes
+        files) and returned as an image; None for a stopped run."""
+        if outcome.cancelled:
+            return None
+        chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
+        if self.run.rank == 0:
+            save_png_atomic(chart, self.paths.loss_chart)
+        return chart
+
+
+def prepare(request: RunRequest) -> PreparedRun:
+    """The checks that need no model: the LoRA's name, the overwrite policy, a complete
+    checkpoint to resume (its state.json read here), and what the run starts from."""
+    paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(request.lora_name))
+    resuming = request.resume is not None
+    replaces = check_existing(paths, request.overwrite, resuming=resuming)
+    state = read_state(request.resume) if resuming else None  # or a message naming what is missing
+    start = None if resuming else request.start_from
+    run = Run(paths, request.resume, replaces, temp_dir(), start, request.collective)
+    return PreparedRun(request, run, state)
