@@ -30,6 +30,7 @@ import torch
 
 from ..trainer_core import distributed
 from ..trainer_core.atomic import write_atomic
+from ..trainer_core.choices import JobStatus
 from ..trainer_core.distributed import Collective, PeerLost
 from ..trainer_core.job import Progress
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
@@ -181,9 +182,9 @@ class ProgressPrinter:
         self._printed_at = 0.0
 
     def __call__(self, progress: Progress) -> None:
-        if self.rank != 0 or progress.status == "queued" or progress.loss is None:
+        if self.rank != 0 or progress.status == JobStatus.QUEUED or progress.loss is None:
             return
-        line, now, final = describe(progress), time.monotonic(), progress.status != "running"
+        line, now, final = describe(progress), time.monotonic(), progress.status != JobStatus.RUNNING
         if line == self._last or (not final and not self.tty and now - self._printed_at < self.interval):
             return
         self._last, self._printed_at = line, now

@@ -31,6 +31,7 @@ from ..comfy_adapter.flux_training import FluxLoraSession, flux_lora_session
 from ..comfy_adapter.model_family import flux_family, text_in
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
 from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folder, prune, save_checkpoint
+from ..trainer_core.choices import JobStatus
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.distributed import Collective, rank_of, world_size_of
@@ -97,6 +98,7 @@ def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estima
         base_format=loaded,
         blocks_to_swap=config.blocks_to_swap,
         gradient_checkpointing=config.gradient_checkpointing,
+        optimizer=config.optimizer,
     )
 
 
@@ -390,7 +392,7 @@ def run_training(
                 collective=collective,
             )
         except NonFiniteLoss as error:
-            job.report(status="error", message=str(error))
+            job.report(status=JobStatus.ERROR, message=str(error))
             raise
         except torch.OutOfMemoryError as error:
             raise out_of_memory(error, estimate) from None
@@ -399,7 +401,9 @@ def run_training(
         if result.stopped_early:
             checkpoint = checkpoints.save(session, result.steps, result)
             where = paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
-            job.report(status="cancelled", message=f"stopped at step {result.steps}; resume from {where}")
+            job.report(
+                status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}; resume from {where}"
+            )
             return TrainingOutcome(
                 result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
             )
@@ -407,7 +411,7 @@ def run_training(
         # 5) a finished one with a checkpoint (to continue with more steps), the LoRA, previews
         checkpoints.save(session, config.steps, result)
         if not writes:
-            job.report(status="finished", message=f"rank {run.rank}: done (rank 0 saved the LoRA)")
+            job.report(status=JobStatus.FINISHED, message=f"rank {run.rank}: done (rank 0 saved the LoRA)")
             return TrainingOutcome(result.losses, validation=result.validation)
         saved = session.save(paths.lora, training_metadata(config, facts, config.steps))
         lora_state = _read_back(saved)
@@ -417,7 +421,7 @@ def run_training(
             except interrupted:
                 LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", paths.stem)
     replaced = " (replaced the previous file, overwrite is on)" if run.replaces else ""
-    job.report(status="finished", message=f"saved {paths.lora}{replaced}")
+    job.report(status=JobStatus.FINISHED, message=f"saved {paths.lora}{replaced}")
     final_previews = previews.images() if previews is not None else None
     return TrainingOutcome(result.losses, lora_state, previews=final_previews, validation=result.validation)
 

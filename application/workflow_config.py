@@ -18,6 +18,7 @@ from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
 
 from ..comfy_adapter.comfy_registry import node_class
+from ..trainer_core.choices import plain
 from ..trainer_core.run_config import CHECKPOINTS, RunConfig, parse_run_config
 from .node_ids import node_id as prefixed_id
 
@@ -286,7 +287,7 @@ def workflow_from_config(config: RunConfig) -> dict:
 
 
 def _values(options) -> dict[str, Any]:
-    return {f.name: getattr(options, f.name) for f in dataclasses.fields(options)}
+    return {f.name: plain(getattr(options, f.name)) for f in dataclasses.fields(options)}
 
 
 def _check_for_workflow(config: RunConfig) -> None:

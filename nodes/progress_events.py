@@ -4,8 +4,10 @@ them), so every Python event has exactly one JS listener with the same name."""
 
 from __future__ import annotations
 
+from ..trainer_core.choices import JobStatus
+
 PROGRESS_EVENT = "kontext_trainer.progress"
-STATUSES = ("queued", "running", "cancelled", "finished", "error")
+STATUSES = tuple(status.value for status in JobStatus)
 PAYLOAD_FIELDS = (
     "node",  # the TrainLoRA node's id in the graph
     "prompt_id",  # the run: a new prompt id is a new run (the panel starts a new chart)

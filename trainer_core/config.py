@@ -5,19 +5,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
 
+from .choices import (
+    Choice,
+    Fp8Mode,
+    Layout,
+    LossWeighting,
+    Optimizer,
+    SavePrecision,
+    Schedule,
+    TargetPreset,
+    TimestepSampler,
+    choose,
+)
 from .limits import check_number
-from .lora_file import SAVE_PRECISIONS, precision_dtype
-from .lora_targets import TARGET_PRESETS, check_preset
-from .objective import SAMPLERS, WEIGHTINGS, SigmaSampler
-from .position_ids import LAYOUTS, check_layout
-from .schedule import SCHEDULES
-
-OPTIMIZERS = ("adamw", "adafactor")
-FP8_MODES = ("as_loaded", "fp8_scaled", "fp8_backward")
-TARGET_PRESET_NAMES = tuple(TARGET_PRESETS)
-LAYOUT_NAMES = tuple(LAYOUTS)
-SAVE_PRECISION_NAMES = tuple(SAVE_PRECISIONS)
-
+from .objective import SigmaSampler
 
 # `knob(appended=...)`: when the widget was added. The frontend stores widget values by
 # position, so a widget added later goes after every older one and workflows saved before keep
@@ -27,38 +28,77 @@ AFTER_OVERWRITE = 1  # added after `overwrite` (before the node's `start_from_lo
 AFTER_START_FROM = 2  # added after `start_from_lora`
 
 
-def knob(default, tooltip: str, advanced: bool = False, appended: int = ORIGINAL, **limits):
+def knob(
+    default,
+    tooltip: str,
+    advanced: bool = False,
+    appended: int = ORIGINAL,
+    choices: type[Choice] | None = None,
+    must_match: bool = False,
+    **limits,
+):
     """A config field with the tooltip and limits its TrainLoRA widget shows. `advanced`:
     hidden until the node's "Show Advanced" (right-click menu) is on. `appended`: when the
     widget was added (`ORIGINAL`, `AFTER_OVERWRITE`, `AFTER_START_FROM`); later ones are
-    optional inputs, so API prompts written before them still run on their defaults."""
+    optional inputs, so API prompts written before them still run on their defaults.
+    `choices`: the field's Enum (`choices.py`); its members are the widget's options, and
+    `check_choices` turns the value given into a member. `must_match`: a resume must have the
+    value of the checkpoint it continues (`resume.RESUME_MUST_MATCH`): the field shapes the
+    LoRA or its ids, or decides which random numbers each step draws."""
+    if choices is not None:
+        limits = {**limits, "choices": choices, "options": tuple(member.value for member in choices)}
     return field(
-        default=default, metadata={"tooltip": tooltip, "advanced": advanced, "appended": appended, **limits}
+        default=default,
+        metadata={
+            "tooltip": tooltip,
+            "advanced": advanced,
+            "appended": appended,
+            "must_match": must_match,
+            **limits,
+        },
     )
+
+
+def check_choices(config) -> None:
+    """Every field made with `knob(choices=...)` of a dataclass instance, as a member of its
+    Enum (a stored string becomes its member), or a ValueError naming the field."""
+    for config_field in fields(config):
+        kind = config_field.metadata.get("choices")
+        if kind is not None:
+            value = choose(kind, getattr(config, config_field.name), config_field.name)
+            object.__setattr__(config, config_field.name, value)
 
 
 @dataclass
 class TrainConfig:
     steps: int = knob(1000, "Optimizer steps to run.", min=1, max=1_000_000)
     learning_rate: float = knob(1e-4, "Peak learning rate.", min=1e-7, max=1.0, step=1e-6)
-    schedule: str = knob(
-        "constant",
+    schedule: Schedule = knob(
+        Schedule.CONSTANT,
         "After warmup: keep the rate, or decay it (cosine / linear) to lr_floor x the rate, reached just "
         "after the last step.",
-        options=SCHEDULES,
+        choices=Schedule,
         advanced=True,
     )
     warmup_steps: int = knob(
         0, "Steps over which the learning rate rises linearly from ~0.", min=0, max=100_000, advanced=True
     )
-    optimizer: str = knob(
-        "adamw", "AdamW, or Adafactor (less optimizer memory).", options=OPTIMIZERS, advanced=True
+    optimizer: Optimizer = knob(
+        Optimizer.ADAMW,
+        "AdamW, or Adafactor (less optimizer memory).",
+        choices=Optimizer,
+        advanced=True,
+        must_match=True,
     )
     weight_decay: float = knob(
         0.01, "Weight decay on the LoRA weights.", min=0.0, max=1.0, step=0.001, advanced=True
     )
-    batch_size: int = knob(1, "Samples per micro-batch, all from one aspect bucket.", min=1, max=64)
-    gradient_accumulation: int = knob(1, "Micro-batches per optimizer step.", min=1, max=256, advanced=True)
+    batch_size: int = knob(
+        1, "Samples per micro-batch, all from one aspect bucket.", min=1, max=64, must_match=True
+    )
+    gradient_accumulation: int = knob(
+        1, "Micro-batches per optimizer step.", min=1, max=256, advanced=True, must_match=True
+    )
     max_grad_norm: float = knob(
         1.0,
         "Clip the LoRA gradient norm to this; 0 disables clipping.",
@@ -67,29 +107,43 @@ class TrainConfig:
         step=0.1,
         advanced=True,
     )
-    rank: int = knob(16, "LoRA rank: the adapter's capacity.", min=1, max=256)
+    rank: int = knob(16, "LoRA rank: the adapter's capacity.", min=1, max=256, must_match=True)
     alpha: float = knob(
-        16.0, "LoRA alpha: updates are scaled by alpha / rank.", min=0.01, max=1024.0, step=0.5
+        16.0,
+        "LoRA alpha: updates are scaled by alpha / rank.",
+        min=0.01,
+        max=1024.0,
+        step=0.5,
+        must_match=True,
     )
     dropout: float = knob(
-        0.0, "Dropout on the LoRA input during training.", min=0.0, max=0.9, step=0.01, advanced=True
+        0.0,
+        "Dropout on the LoRA input during training.",
+        min=0.0,
+        max=0.9,
+        step=0.01,
+        advanced=True,
+        must_match=True,
     )
-    targets: str = knob(
-        "attention_mlp",
+    targets: TargetPreset = knob(
+        TargetPreset.ATTENTION_MLP,
         "Layers that get a LoRA (single blocks always adapt their fused attention + MLP layers).",
-        options=TARGET_PRESET_NAMES,
+        choices=TargetPreset,
+        must_match=True,
     )
-    layout: str = knob(
-        "offset",
+    layout: Layout = knob(
+        Layout.OFFSET,
         "Reference position-id layout; sample with the same one. FLUX.2: index (its own), offset, "
         "uxo, or index_timestep_zero (ComfyUI 0.33+: references modulated at timestep 0).",
-        options=LAYOUT_NAMES,
+        choices=Layout,
+        must_match=True,
     )
-    timestep_sampler: str = knob(
-        "flux_shift",
+    timestep_sampler: TimestepSampler = knob(
+        TimestepSampler.FLUX_SHIFT,
         "How noise levels are drawn; flux_shift follows FLUX.1's resolution-dependent schedule.",
-        options=SAMPLERS,
+        choices=TimestepSampler,
         advanced=True,
+        must_match=True,
     )
     logit_mean: float = knob(0.0, "logit_normal: mean.", min=-5.0, max=5.0, step=0.05, advanced=True)
     logit_std: float = knob(
@@ -106,8 +160,8 @@ class TrainConfig:
     shift: float = knob(
         3.0, "shift: the fixed discrete-flow shift.", min=0.01, max=100.0, step=0.1, advanced=True
     )
-    loss_weighting: str = knob(
-        "none", "Per-sample loss weight by noise level.", options=WEIGHTINGS, advanced=True
+    loss_weighting: LossWeighting = knob(
+        LossWeighting.NONE, "Per-sample loss weight by noise level.", choices=LossWeighting, advanced=True
     )
     guidance: float = knob(
         1.0,
@@ -119,7 +173,13 @@ class TrainConfig:
         advanced=True,
     )
     ip_noise_gamma: float = knob(
-        0.0, "Input-perturbation noise strength (0 = off).", min=0.0, max=1.0, step=0.01, advanced=True
+        0.0,
+        "Input-perturbation noise strength (0 = off).",
+        min=0.0,
+        max=1.0,
+        step=0.01,
+        advanced=True,
+        must_match=True,
     )
     caption_dropout: float = knob(
         0.0,
@@ -128,20 +188,21 @@ class TrainConfig:
         max=1.0,
         step=0.01,
         advanced=True,
+        must_match=True,
     )
     gradient_checkpointing: bool = knob(
         True,
         "Recompute block activations in backward: much less memory, about a third slower.",
         advanced=True,
     )
-    fp8_mode: str = knob(
-        "as_loaded",
+    fp8_mode: Fp8Mode = knob(
+        Fp8Mode.AS_LOADED,
         "as_loaded: train on the weights as the loader stored them (UNETLoader weight_dtype fp8_e4m3fn "
         "gives fp8). fp8_scaled: for this run, store the block attention and MLP weights as e4m3 with a "
         "scale per output channel (norms, modulation, embeddings, final layer stay as loaded). "
         "fp8_backward: as_loaded, and the layers of a quantized file (e.g. *_fp8mixed) also run their "
         "backward matmuls in fp8 (ComfyUI 0.33+ with fp8 compute: faster, rounder gradients).",
-        options=FP8_MODES,
+        choices=Fp8Mode,
     )
     blocks_to_swap: int = knob(
         0,
@@ -155,7 +216,8 @@ class TrainConfig:
         "Seeds LoRA init, data order, noise, timesteps and dropout: same seed, same run.",
         min=0,
         max=2**31 - 1,
-        control_after_generate=False,  # never randomised by the UI: runs must be repeatable
+        control_after_generate=False,  # never randomised by the UI: runs must be repeatable,
+        must_match=True,
     )
     save_every: int = knob(
         0,
@@ -184,6 +246,7 @@ class TrainConfig:
         step=0.01,
         advanced=True,
         appended=AFTER_OVERWRITE,
+        must_match=True,
     )
     lr_floor: float = knob(
         0.0,
@@ -194,11 +257,11 @@ class TrainConfig:
         advanced=True,
         appended=AFTER_OVERWRITE,
     )
-    save_precision: str = knob(
-        "bf16",
+    save_precision: SavePrecision = knob(
+        SavePrecision.BF16,
         "The dtype of the LoRA file and of the per-step snapshots: bf16 (half the size of fp32, as "
         "every peer saves), fp16 or fp32. Checkpoints always keep full precision for an exact resume.",
-        options=SAVE_PRECISION_NAMES,
+        choices=SavePrecision,
         advanced=True,
         appended=AFTER_START_FROM,
     )
@@ -210,25 +273,13 @@ class TrainConfig:
             if "min" in limits or "max" in limits:
                 value = getattr(self, config_field.name)
                 check_number(config_field.name, value, limits.get("min"), limits.get("max"))
-        # 2) choices and combinations
+        # 2) choices, then combinations
+        check_choices(self)
         if self.blocks_to_swap and not self.gradient_checkpointing:
             raise ValueError(
                 "blocks_to_swap needs gradient_checkpointing on (otherwise every block's weights "
                 "stay referenced until backward and nothing would be saved)"
             )
-        if self.fp8_mode not in FP8_MODES:
-            raise ValueError(f"unknown fp8_mode {self.fp8_mode!r}; choose one of {', '.join(FP8_MODES)}")
-        if self.optimizer not in OPTIMIZERS:
-            raise ValueError(f"unknown optimizer {self.optimizer!r}; choose one of {', '.join(OPTIMIZERS)}")
-        if self.schedule not in SCHEDULES:
-            raise ValueError(f"unknown schedule {self.schedule!r}; choose one of {', '.join(SCHEDULES)}")
-        if self.loss_weighting not in WEIGHTINGS:
-            raise ValueError(
-                f"unknown loss weighting {self.loss_weighting!r}; choose one of {', '.join(WEIGHTINGS)}"
-            )
-        check_preset(self.targets)
-        check_layout(self.layout)
-        precision_dtype(self.save_precision)
         self.sigma_sampler()
 
     def sigma_sampler(self) -> SigmaSampler:

@@ -6,13 +6,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
-from .config import knob
+from .choices import Background
+from .config import check_choices, knob
 from .limits import check_number
 from .sizing import MAX_SIDE
 
 USE_PATH = "(absolute path below)"  # the `folder` choice that defers to `path`
 CACHE_FOLDER_NAME = "kontext_trainer_cache"  # under ComfyUI's output folder
-BACKGROUNDS = {"white": (1.0, 1.0, 1.0), "black": (0.0, 0.0, 0.0), "gray": (0.5, 0.5, 0.5)}
+BACKGROUNDS = {
+    Background.WHITE: (1.0, 1.0, 1.0),
+    Background.BLACK: (0.0, 0.0, 0.0),
+    Background.GRAY: (0.5, 0.5, 0.5),
+}
 # `knob(options_from=...)`: choices only ComfyUI knows (its input folders); the node fills them in
 INPUT_SUBFOLDERS = "input_subfolders"
 
@@ -45,8 +50,8 @@ class DatasetOptions:
         min=0,
         max=MAX_SIDE,
     )
-    background: str = knob(
-        "white", "Transparent pixels are composited onto this colour.", options=tuple(BACKGROUNDS)
+    background: Background = knob(
+        Background.WHITE, "Transparent pixels are composited onto this colour.", choices=Background
     )
     hold_out: int = knob(0, "Samples kept out of training for validation.", min=0, max=10000)
     seed: int = knob(
@@ -73,5 +78,4 @@ class DatasetOptions:
                 if not isinstance(value, int):
                     raise ValueError(f"{option.name} must be a whole number; got {value!r}")
         # 3) choices
-        if not isinstance(self.background, str) or self.background not in BACKGROUNDS:
-            raise ValueError(f"background: choose one of {', '.join(BACKGROUNDS)}")
+        check_choices(self)

@@ -18,12 +18,13 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
+from .choices import JobStatus
 from .loop import StepInfo
 
 
 @dataclass(frozen=True)
 class Progress:
-    status: str = "queued"
+    status: JobStatus = JobStatus.QUEUED
     step: int = 0
     total: int = 0
     loss: float | None = None
@@ -59,7 +60,7 @@ class ProgressTracker:
         self._recurring: dict[str, tuple[int, bool]] = {}
         self._durations: dict[str, list[float]] = {}
         self._done_at_end: set[str] = set()
-        self.progress = Progress(status="running", step=start_step, total=total)
+        self.progress = Progress(status=JobStatus.RUNNING, step=start_step, total=total)
 
     def recurring(self, kind: str, every: int, at_end: bool) -> None:
         self._recurring[kind] = (every, at_end)
@@ -131,7 +132,7 @@ class TrainingJob:
             self.result = self._target(self)
         except BaseException as error:  # re-raised in the waiting thread by wait_for
             self.error = error
-            self.report(status="error", message=str(error))
+            self.report(status=JobStatus.ERROR, message=str(error))
         finally:
             # The target's closure holds the run's MODEL and dataset; the finished job stays
             # the manager's `current` until the next run, and must not keep them in memory.

@@ -27,6 +27,7 @@ import torch
 from .buckets import epoch_batches
 from .config import TrainConfig
 from .distributed import Collective
+from .optimizers import optimizer_spec
 from .rng import RandomState
 from .schedule import lr_multiplier
 
@@ -95,14 +96,7 @@ class DataOrder:
 
 
 def make_optimizer(config: TrainConfig, parameters: Sequence[torch.nn.Parameter]) -> torch.optim.Optimizer:
-    # foreach=False: the per-tensor kernels give the same numbers on every run.
-    if config.optimizer == "adafactor":
-        return torch.optim.Adafactor(
-            parameters, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=False
-        )
-    return torch.optim.AdamW(
-        parameters, lr=config.learning_rate, weight_decay=config.weight_decay, foreach=False
-    )
+    return optimizer_spec(config.optimizer).make(parameters, config.learning_rate, config.weight_decay)
 
 
 def train(

@@ -23,10 +23,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .atomic import write_atomic
+from .choices import SavePrecision, choose
 from .flux_lora_names import flux_name_from_kohya, kohya_name
 
 # save_precision -> the dtype of the lora_down / lora_up tensors (alpha stays float32)
-SAVE_PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+SAVE_PRECISIONS = {
+    SavePrecision.BF16: torch.bfloat16,
+    SavePrecision.FP16: torch.float16,
+    SavePrecision.FP32: torch.float32,
+}
 KEY_PREFIX = "diffusion_model."  # the earlier versions' keys
 
 
@@ -46,11 +51,7 @@ class LoraModule:
 
 
 def precision_dtype(save_precision: str) -> torch.dtype:
-    if save_precision not in SAVE_PRECISIONS:
-        raise ValueError(
-            f"unknown save_precision {save_precision!r}; choose one of {', '.join(SAVE_PRECISIONS)}"
-        )
-    return SAVE_PRECISIONS[save_precision]
+    return SAVE_PRECISIONS[choose(SavePrecision, save_precision, "save_precision")]
 
 
 def to_state_dict(

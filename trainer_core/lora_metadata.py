@@ -29,6 +29,7 @@ from . import __version__
 from .config import TrainConfig
 from .lora_file import LoraModule, save_atomic, to_state_dict
 from .model_family import FAMILIES
+from .optimizers import optimizer_spec
 
 NETWORK_MODULE = "networks.lora_flux"  # sd-scripts' Flux LoRA module
 MODELSPEC_VERSION = "1.0.1"  # what sd-scripts writes
@@ -37,7 +38,6 @@ FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
 # model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
 # flux-1-dev, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
 # kontext_trainer.base_model.
-OPTIMIZER_CLASSES = {"adamw": "torch.optim.adamw.AdamW", "adafactor": "torch.optim.Adafactor"}
 
 _HASH_BLOCK = 1 << 20  # sd-scripts hashes the data section in 1 MiB reads
 _LEGACY_OFFSET, _LEGACY_LENGTH = 0x100000, 0x10000
@@ -74,7 +74,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     micro-batches: batches never mix aspect buckets, so a bucket's last one may be short);
     `ss_epoch` counts the whole passes done."""
     # sd-scripts: the class's module and name, then the keyword arguments given to it
-    optimizer = f"{OPTIMIZER_CLASSES[config.optimizer]}(weight_decay={config.weight_decay})"
+    optimizer = f"{optimizer_spec(config.optimizer).class_path}(weight_decay={config.weight_decay})"
     network_args = {"targets": config.targets, "dropout": config.dropout or None}
     samples_per_step = config.batch_size * config.gradient_accumulation
     per_epoch, accumulation = facts.batches_per_epoch, config.gradient_accumulation
@@ -94,7 +94,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_steps": str(steps),
         "ss_epoch": str(steps * accumulation // per_epoch),  # whole passes done
         "ss_lr_warmup_steps": str(config.warmup_steps),
-        "ss_lr_scheduler": config.schedule,
+        "ss_lr_scheduler": str(config.schedule),
         "ss_optimizer": optimizer,
         "ss_max_grad_norm": str(config.max_grad_norm),
         "ss_seed": str(config.seed),
@@ -115,12 +115,12 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_fp8_base": str(config.fp8_mode == "fp8_scaled" or fp8_base(facts.base_weights)),
         "ss_model_type": "flux",
         "ss_guidance_scale": str(config.guidance),
-        "ss_timestep_sampling": config.timestep_sampler,
+        "ss_timestep_sampling": str(config.timestep_sampler),
         "ss_sigmoid_scale": str(config.sigmoid_scale),
         "ss_discrete_flow_shift": str(config.shift),
         "ss_logit_mean": str(config.logit_mean),
         "ss_logit_std": str(config.logit_std),
-        "ss_weighting_scheme": config.loss_weighting,
+        "ss_weighting_scheme": str(config.loss_weighting),
         "ss_model_prediction_type": "raw",
     }
     spec = {
@@ -149,7 +149,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "config": asdict(config),
     }
     ours_text = {
-        f"kontext_trainer.{key}": value if isinstance(value, str) else json.dumps(value)
+        f"kontext_trainer.{key}": str(value) if isinstance(value, str) else json.dumps(value)
         for key, value in ours.items()
     }
     return {**kohya, **spec, **ours_text}

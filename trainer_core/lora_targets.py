@@ -17,6 +17,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
+from .choices import TargetPreset, choose
+
 _ATTENTION = ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj")
 _MLP = ("img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2")
 _MODULATION = ("img_mod.lin", "txt_mod.lin")
@@ -29,17 +31,19 @@ _GLOBAL_MODULATION = (
 )
 
 # preset -> (double-block layers, single-block layers, model-wide layers)
-TARGET_PRESETS: dict[str, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
-    "attention": (_ATTENTION, _SINGLE_FUSED, ()),
-    "attention_mlp": (_ATTENTION + _MLP, _SINGLE_FUSED, ()),
-    "all_linear": (_ATTENTION + _MLP + _MODULATION, _SINGLE_FUSED + _SINGLE_MODULATION, _GLOBAL_MODULATION),
+TARGET_PRESETS: dict[TargetPreset, tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]] = {
+    TargetPreset.ATTENTION: (_ATTENTION, _SINGLE_FUSED, ()),
+    TargetPreset.ATTENTION_MLP: (_ATTENTION + _MLP, _SINGLE_FUSED, ()),
+    TargetPreset.ALL_LINEAR: (
+        _ATTENTION + _MLP + _MODULATION,
+        _SINGLE_FUSED + _SINGLE_MODULATION,
+        _GLOBAL_MODULATION,
+    ),
 }
 
 
-def check_preset(preset: str) -> str:
-    if preset not in TARGET_PRESETS:
-        raise ValueError(f"unknown LoRA target preset {preset!r}; choose one of {', '.join(TARGET_PRESETS)}")
-    return preset
+def check_preset(preset: str) -> TargetPreset:
+    return choose(TargetPreset, preset, "targets")
 
 
 def target_module_names(linear_names: Iterable[str], preset: str) -> list[str]:

@@ -13,8 +13,10 @@ from dataclasses import dataclass
 
 import torch
 
-SAMPLERS = ("uniform", "logit_normal", "sigmoid", "shift", "flux_shift")
-WEIGHTINGS = ("none", "sigma_sqrt", "cosmap")
+from .choices import LossWeighting, TimestepSampler, choose
+
+SAMPLERS = tuple(TimestepSampler)
+WEIGHTINGS = tuple(LossWeighting)
 
 # Flux's resolution-dependent shift: mu grows linearly with the image token count between
 # these two points (256 tokens -> 0.5, 4096 tokens -> 1.15), as in Flux's own scheduler.
@@ -23,15 +25,14 @@ FLUX_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
 
 @dataclass(frozen=True)
 class SigmaSampler:
-    kind: str = "sigmoid"  # one of SAMPLERS
+    kind: TimestepSampler = TimestepSampler.SIGMOID
     logit_mean: float = 0.0  # logit_normal: mean of the normal before the sigmoid
     logit_std: float = 1.0  # logit_normal: its standard deviation
     sigmoid_scale: float = 1.0  # sigmoid / shift / flux_shift: sigmoid(scale * normal)
     shift: float = 3.0  # shift: the fixed discrete-flow shift
 
     def __post_init__(self):
-        if self.kind not in SAMPLERS:
-            raise ValueError(f"unknown timestep sampler {self.kind!r}; choose one of {', '.join(SAMPLERS)}")
+        object.__setattr__(self, "kind", choose(TimestepSampler, self.kind, "timestep_sampler"))
 
 
 def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
@@ -99,13 +100,12 @@ def noisy_input(
 
 def loss_weights(sigma: torch.Tensor, weighting: str) -> torch.Tensor:
     """Per-sample loss weight: none -> 1; sigma_sqrt -> sigma^-2; cosmap -> 2 / (pi (1 - 2s + 2s^2))."""
-    if weighting == "none":
+    weighting = choose(LossWeighting, weighting, "loss_weighting")
+    if weighting == LossWeighting.NONE:
         return torch.ones_like(sigma)
-    if weighting == "sigma_sqrt":
+    if weighting == LossWeighting.SIGMA_SQRT:
         return sigma.pow(-2.0)
-    if weighting == "cosmap":
-        return 2.0 / (math.pi * (1 - 2 * sigma + 2 * sigma * sigma))
-    raise ValueError(f"unknown loss weighting {weighting!r}; choose one of {', '.join(WEIGHTINGS)}")
+    return 2.0 / (math.pi * (1 - 2 * sigma + 2 * sigma * sigma))  # cosmap
 
 
 def masked_flow_loss(

@@ -32,12 +32,14 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("offset", "index", "uxo", "dreamomni2", "index_timestep_zero")
+from .choices import Layout, choose
+
+LAYOUTS = tuple(Layout)
 # Layouts every supported ComfyUI's Flux knows by name (its `ref_latents_method`), for FLUX.1
 # and FLUX.2; others need our ids patched in (index_timestep_zero: ComfyUI 0.33+, FLUX.2 only).
-COMFY_NATIVE_LAYOUTS = ("offset", "index", "uxo")
+COMFY_NATIVE_LAYOUTS = (Layout.OFFSET, Layout.INDEX, Layout.UXO)
 # Layouts whose references ComfyUI modulates with timestep 0 (ComfyUI 0.33's Flux).
-TIMESTEP_ZERO_LAYOUTS = ("index_timestep_zero",)
+TIMESTEP_ZERO_LAYOUTS = (Layout.INDEX_TIMESTEP_ZERO,)
 
 LatentSize = tuple[int, int]  # (height, width) of a latent, in latent pixels
 
@@ -55,10 +57,8 @@ class TokenGrid:
 FLUX1_GRID = TokenGrid()
 
 
-def check_layout(layout: str) -> str:
-    if layout not in LAYOUTS:
-        raise ValueError(f"unknown reference layout {layout!r}; choose one of {', '.join(LAYOUTS)}")
-    return layout
+def check_layout(layout: str) -> Layout:
+    return choose(Layout, layout, "layout")
 
 
 def patch_grid(size: LatentSize, patch_size: int = 2) -> tuple[int, int]:

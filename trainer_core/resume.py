@@ -5,24 +5,14 @@ from __future__ import annotations
 
 import dataclasses
 
+from .choices import plain
 from .config import TrainConfig
 
-# They shape the LoRA or its ids, or decide which random numbers each step draws: a resume
-# with any of them changed could not give exactly the losses of the uninterrupted run.
+# The settings marked `must_match` on TrainConfig's fields (they shape the LoRA or its ids, or
+# decide which random numbers each step draws: a resume with any of them changed could not give
+# exactly the losses of the uninterrupted run), then what the run record adds.
 RESUME_MUST_MATCH = (
-    "rank",
-    "alpha",
-    "targets",
-    "layout",
-    "seed",
-    "batch_size",
-    "gradient_accumulation",
-    "optimizer",
-    "timestep_sampler",
-    "caption_dropout",
-    "reference_dropout",
-    "ip_noise_gamma",
-    "dropout",
+    *(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["must_match"]),
     "dataset_hash",
     "world_size",  # data-parallel processes: the global batch and the saved RNGs are per process
 )
@@ -30,8 +20,11 @@ _DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, "wo
 
 
 def run_record(config: TrainConfig, dataset_hash: str, world_size: int = 1) -> dict:
-    """What a checkpoint remembers of its run (compared on resume)."""
-    return {**dataclasses.asdict(config), "dataset_hash": dataset_hash, "world_size": world_size}
+    """What a checkpoint remembers of its run (compared on resume), as plain JSON values (a
+    choice as its string)."""
+    record = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    return {**record, "dataset_hash": dataset_hash, "world_size": world_size}
+
 
 
 def check_resume(state: dict, config: TrainConfig, dataset_hash: str, world_size: int = 1) -> None:

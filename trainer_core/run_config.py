@@ -28,6 +28,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
+from .choices import Choice
 from .config import TrainConfig, knob
 from .dataset_options import DatasetOptions
 from .names import lora_stem
@@ -268,6 +269,8 @@ def _convert(hint, value):
             return float(value)
         except OverflowError:
             return _WRONG
+    if isinstance(hint, type) and issubclass(hint, Choice):  # text; the class checks the choice
+        hint = str
     if hint in (int, float, str, bool):
         exact = type(value) is hint or (hint is str and isinstance(value, str))
         return value if exact else _WRONG
@@ -280,6 +283,8 @@ KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: '
 
 
 def _wrong_type(section: str, config_field: dataclasses.Field, hint, value) -> str:
+    if isinstance(hint, type) and issubclass(hint, Choice):
+        hint = str
     name, kind = config_field.name, KINDS.get(hint, 'a list of text, e.g. ["a.safetensors"]')
     example = config_field.metadata["example"] if _required(config_field) else config_field.default
     if isinstance(value, str) and hint is not str and "\n" not in value:  # a number in quotes?

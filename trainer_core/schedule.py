@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 
-SCHEDULES = ("constant", "cosine", "linear")
+from .choices import Schedule, choose
+
+SCHEDULES = tuple(Schedule)
 
 
 def lr_multiplier(step: int, total: int, warmup: int, schedule: str, floor: float = 0.0) -> float:
@@ -16,8 +18,7 @@ def lr_multiplier(step: int, total: int, warmup: int, schedule: str, floor: floa
     3) the floor is reached *after* the last step (as in transformers' and kohya's
        schedules), so every step, the last one included, still updates the weights.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"unknown schedule {schedule!r}; choose one of {', '.join(SCHEDULES)}")
+    schedule = choose(Schedule, schedule, "schedule")
     if step < warmup:
         return (step + 1) / warmup
     if schedule == "constant":

@@ -1,7 +1,7 @@
 """Peak-VRAM estimate for Flux LoRA training, and the smallest block swap that fits a budget.
 
 peak = resident transformer weights (all blocks minus the swapped ones, plus two swap slots
-       in flight) + LoRA state (fp32 weight, gradient, two AdamW moments)
+       in flight) + LoRA state (fp32 weight, gradient, the optimizer's state: `optimizers`)
        + activations (with gradient checkpointing: every block's input, plus one block's
        working set during recompute; without: every block's working set)
        + a fixed overhead (CUDA context, allocator slack, the model's small layers' buffers).
@@ -22,6 +22,8 @@ float32). None of this was measured on a GPU.
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from .optimizers import optimizer_spec
 
 GIB = 2**30
 WEIGHT_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0, "fp8_scaled": 1.0 + 1 / 3072}  # per weight
@@ -184,6 +186,7 @@ def estimate_vram(
     gradient_checkpointing: bool = True,
     text_tokens: int = T5_TOKENS,
     base_format: str = "bf16",
+    optimizer: str = "adamw",
 ) -> Estimate:
     """`base_format`: how the loader stored the weights fp8_scaled does not convert."""
     if weight_format not in WEIGHT_BYTES or base_format not in WEIGHT_BYTES:
@@ -205,12 +208,12 @@ def estimate_vram(
         kept = resident_doubles * shape.double_block_modulation()
         kept += resident_singles * shape.single_block_modulation() + shape.other_weights()
         weights += kept * (WEIGHT_BYTES[base_format] - per_weight)
-    # LoRA on every block linear: fp32 weight + gradient + two AdamW moments = 16 bytes per value
+    # LoRA on every block linear: fp32 weight + gradient + the optimizer's state per value
     lora_values = rank * (
         shape.double_blocks * sum(i + o for i, o in shape.double_block_linears())
         + shape.single_blocks * sum(i + o for i, o in shape.single_block_linears())
     )
-    lora = 16.0 * lora_values
+    lora = (8.0 + optimizer_spec(optimizer).state_bytes(rank)) * lora_values
     tokens = batch * (image_tokens(resolution, references) + text_tokens)
     blocks = shape.double_blocks + shape.single_blocks
     per_block = tokens * shape.hidden

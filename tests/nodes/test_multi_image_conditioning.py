@@ -110,7 +110,7 @@ def test_bad_input_gets_a_clear_error(setup):
         conditioning_node(setup, "offset", validate=False)  # ComfyUI refuses it first; scripts may not
     with pytest.raises(ValueError, match=r"batch sizes disagree.*image_1 has 2, image_2 has 3"):
         conditioning_node(setup, "offset", image(32, 32, batch=2), image(32, 32, batch=3))
-    with pytest.raises(ValueError, match="unknown reference layout 'sideways'"):
+    with pytest.raises(ValueError, match="unknown layout 'sideways'"):
         conditioning_node(setup, "sideways", image(32, 32), validate=False)  # as a script could send
     with pytest.raises(ValueError, match="image_2 is 16x4100; the cap is 4096"):
         conditioning_node(setup, "offset", image(32, 32), image(4100, 16))

@@ -16,11 +16,15 @@ from trainer_core.config import TrainConfig
         ("steps", 0, "steps"),
         ("rank", 0, "rank"),
         ("dropout", 1.0, "dropout"),
-        ("loss_weighting", "huber", "loss weighting 'huber'"),
-        ("targets", "everything", "target preset 'everything'"),
-        ("layout", "grid", "reference layout 'grid'"),
-        ("timestep_sampler", "beta", "timestep sampler 'beta'"),
-        ("save_precision", "fp8", "save_precision 'fp8'"),
+        # every choice: the field's name, the value, and the choices (written out here)
+        ("loss_weighting", "huber", "unknown loss_weighting 'huber'; choose one of none, sigma_sqrt, cosmap"),
+        ("targets", "everything", "targets 'everything'; choose one of attention, attention_mlp, all_linear"),
+        ("layout", "grid", "'grid'; choose one of offset, index, uxo, dreamomni2, index_timestep_zero$"),
+        ("timestep_sampler", "beta", "'beta'; choose one of uniform, logit_normal, sigmoid, shift, flux_"),
+        ("save_precision", "fp8", "unknown save_precision 'fp8'; choose one of bf16, fp16, fp32$"),
+        ("optimizer", "sgd", "unknown optimizer 'sgd'; choose one of adamw, adafactor$"),
+        ("schedule", "step", "unknown schedule 'step'; choose one of constant, cosine, linear$"),
+        ("fp8_mode", "fp4", "unknown fp8_mode 'fp4'; choose one of as_loaded, fp8_scaled, fp8_backward$"),
     ],
 )
 def test_bad_values_are_named(field, value, message):

@@ -219,3 +219,12 @@ def test_the_base_weights_storage_is_recorded_and_fp8_bases_say_so():
     assert unrecorded["ss_fp8_base"] == "False"
     scaled = training_metadata(dataclasses.replace(config(), fp8_mode="fp8_scaled"), FACTS, 5)
     assert scaled["ss_fp8_base"] == "True"
+
+
+def test_every_value_is_plain_text_also_for_choices():
+    """Choices are Enums whose members are strings; the file gets their plain text (what
+    kohya's readers and safetensors' metadata take), never a member."""
+    config = TrainConfig(optimizer="adafactor", schedule="cosine", timestep_sampler="logit_normal")
+    metadata = training_metadata(config, FACTS, 1)
+    assert {key: type(value) for key, value in metadata.items() if type(value) is not str} == {}
+    assert metadata["ss_lr_scheduler"] == "cosine" and metadata["ss_timestep_sampling"] == "logit_normal"

@@ -80,7 +80,7 @@ def test_sample_sigmas_is_seeded_and_in_range():
 
 
 def test_unknown_sampler_names_the_choices():
-    with pytest.raises(ValueError, match="unknown timestep sampler 'cosine'"):
+    with pytest.raises(ValueError, match="unknown timestep_sampler 'cosine'"):
         SigmaSampler("cosine")
 
 
@@ -104,7 +104,7 @@ def test_loss_weights():
     assert torch.allclose(loss_weights(sigma, "sigma_sqrt"), torch.tensor([4.0, 16.0]))
     # cosmap: s = 0.5 -> 2 / (pi * 0.5) = 1.273240; s = 0.25 -> 2 / (pi * 0.625) = 1.018592
     assert torch.allclose(loss_weights(sigma, "cosmap"), torch.tensor([1.273240, 1.018592]), atol=1e-6)
-    with pytest.raises(ValueError, match="unknown loss weighting 'snr'"):
+    with pytest.raises(ValueError, match="unknown loss_weighting 'snr'"):
         loss_weights(sigma, "snr")
 
 

@@ -88,7 +88,7 @@ def test_single_reference_is_plain_kontext_in_every_layout_that_should_coincide(
 
 def test_unknown_layout_is_refused_with_the_choices():
     with pytest.raises(
-        ValueError, match=r"unknown reference layout 'diagonal'.*offset, index, uxo, dreamomni2"
+        ValueError, match=r"unknown layout 'diagonal'.*offset, index, uxo, dreamomni2"
     ):
         image_position_ids((8, 8), [(8, 8)], "diagonal")
 

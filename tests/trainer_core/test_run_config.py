@@ -212,7 +212,7 @@ def test_bad_values_carry_the_classes_own_message_on_the_key():
     assert "[dataset] resolution is 64; give a number from 128 to 2048" in problem(
         {"dataset": {"resolution": 64}}
     )
-    assert "[dataset] background: choose one of white, black, gray" in problem(
+    assert "[dataset] background: unknown background 'red'; choose one of white, black, gray" in problem(
         {"dataset": {"background": "red"}}
     )
     assert "[train] lora_name 'a/b' contains a path" in problem({"train": {"lora_name": "a/b"}})

@@ -1,0 +1,69 @@
+"""A checkpoint an earlier version wrote resumes exactly (data/written_by_70adb75/README.md).
+
+Checkpoints store settings as strings; the settings are typed choices now. The run used choices
+other than the defaults (Adafactor, cosine, logit_normal, all_linear, index, fp16), so each one
+is read back from the old state.json. The resumed run must end exactly where the old
+uninterrupted run ended: the same losses, validation and LoRA tensors, bit for bit."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from kt_testing.headless import checkpoints, command, run, write_config
+
+DATA = Path(__file__).resolve().parent / "data" / "written_by_70adb75"
+NAME = "written_by_70adb75"
+RUN = "20261126-070427"  # the old run's folder name
+SETTINGS = {
+    "lora_name": NAME,
+    "steps": 4,
+    "save_every": 2,
+    "keep_last": 0,
+    "optimizer": "adafactor",
+    "schedule": "cosine",
+    "warmup_steps": 1,
+    "lr_floor": 0.1,
+    "targets": "all_linear",
+    "layout": "index",
+    "timestep_sampler": "logit_normal",
+    "loss_weighting": "none",
+    "save_precision": "fp16",
+    "validate_every": 2,
+}
+
+
+def test_a_checkpoint_of_70adb75_resumes_to_its_uninterrupted_end(tmp_path):
+    dataset = shutil.copytree(DATA / "dataset", tmp_path / "dataset")
+    base = tmp_path / "base"
+    old = base / "output" / "kontext_trainer_checkpoints" / NAME / RUN / "step_000002"
+    shutil.copytree(DATA / "step_000002", old)
+    choice = f"{NAME}/{RUN}/step_000002"
+    config = write_config(
+        tmp_path / "run.toml",
+        base,
+        dataset,
+        tmp_path / "cache",
+        {**SETTINGS, "resume_from": choice},
+        hold_out=1,
+    )
+    result = run(command(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (final,) = [c for c in checkpoints(base, NAME) if c.name == "step_000004" and c.parent.name != RUN]
+    resumed = json.loads((final / "state.json").read_text())
+    expected = json.loads((DATA / "uninterrupted_step_000004" / "state.json").read_text())
+    assert resumed["losses"] == expected["losses"]
+    assert resumed["validation"] == expected["validation"]
+    # every setting read back as the old run wrote it (and where the resume came from)
+    assert Path(resumed["config"].pop("resumed_from")) == old
+    assert resumed["config"] == expected["config"]
+    got, want = (
+        load_file(str(final / "lora.safetensors")),
+        load_file(str(DATA / "uninterrupted_step_000004" / "lora.safetensors")),
+    )
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[key], want[key]) for key in want)
