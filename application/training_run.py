@@ -28,7 +28,7 @@ from ..comfy_adapter.comfy_loading import interrupted_error
 from ..comfy_adapter.comfy_quantized import stored_weight_bytes, weight_formats
 from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.flux_training import FluxLoraSession, flux_lora_session
-from ..comfy_adapter.model_family import flux_family, text_in
+from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
 from ..trainer_core.checkpoint import Checkpoint, load_checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.choices import JobStatus
@@ -296,134 +296,202 @@ def run_training(
     run: Run,
     preview: PreviewSettings | None = None,
 ) -> TrainingOutcome:
-    interrupted = interrupted_error()
-    paths, collective, writes = run.paths, run.collective, run.rank == 0
+    """The job's body (runs in the job's thread, outside inference mode), phase by phase."""
+    training = TrainingRun(job, model, dataset, config, run, preview)
+    training.start()
+    training.plan()
+    return training.train()
+
+
+class TrainingRun:
+    """One run's phases: `start` (what it starts from), `plan` (what it reports and writes),
+    `train` (the LoRA session and the loop), which ends in `stopped` (a checkpoint to resume
+    from) or `finished` (a checkpoint, the LoRA, the last previews)."""
+
+    def __init__(self, job, model, dataset, config, run, preview):
+        self.job, self.model, self.dataset, self.config, self.run = job, model, dataset, config, run
+        self.preview = preview
+        self.interrupted = interrupted_error()
+        self.paths, self.collective, self.writes = run.paths, run.collective, run.rank == 0
+
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
-    if not dataset.entries:
-        raise ValueError("the dataset has no training samples (all held out?)")
-    if writes:
-        remove_stale_partials(paths)
-    resume = load_checkpoint(run.resume) if run.resume is not None else None
-    initial = (
-        resume.lora if resume else (seed_lora(run.start_from, model, config) if run.start_from else None)
-    )
-    if resume is not None and (note := schedule_note(resume.config, resume.step, config)):
-        LOGGER.info("TrainLoRA %s: %s", paths.stem, note)
+    def start(self) -> None:
+        config, run, paths = self.config, self.run, self.paths
+        if not self.dataset.entries:
+            raise ValueError("the dataset has no training samples (all held out?)")
+        if self.writes:
+            remove_stale_partials(paths)
+        self.resume = resume = load_checkpoint(run.resume) if run.resume is not None else None
+        seeded = seed_lora(run.start_from, self.model, config) if run.start_from else None
+        self.initial = resume.lora if resume else seeded
+        if resume is not None and (note := schedule_note(resume.config, resume.step, config)):
+            LOGGER.info("TrainLoRA %s: %s", paths.stem, note)
+
     # 2) what it reports and writes
-    samples = SampleCache(dataset, model)
-    held_out = samples.held_out()
-    tracker = start_tracking(job, config, resume, preview, validates=bool(held_out))
-    estimate = announce_estimate(job, tracker, model, dataset, config, paths)
-    record = run_record(config, dataset.content_hash, run.world_size)
-    if resume is not None:
-        record["resumed_from"] = str(resume.path)
-    # data parallel: global batches of world_size x batch_size, each process trains its rows
-    order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
-    family = flux_family(model)
-    facts = RunFacts(
-        output_name=paths.stem,
-        base_model=family.base_model(dataset.reference_count),
-        resolution=dataset.settings.resolution,
-        train_images=len(dataset.entries),
-        batches_per_epoch=order.per_epoch,
-        dataset_hash=dataset.content_hash,
-        started_at=time.time(),
-        session_id=secrets.randbits(31),
-        family=family.image_model,
-        base_weights=weight_formats(model.model.diffusion_model),
-    )
-    checkpoints = CheckpointWriter(
-        paths, config, record, facts, tracker, resuming=resume is not None, collective=collective
-    )
-    previews = PreviewRounds(preview, run, job, tracker) if preview is not None else None
-    empty_text = samples.empty_text() if config.caption_dropout > 0 else None
-    # what ComfyUI's loader must leave room for beside the weights
-    working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
+    def plan(self) -> None:
+        job, model, dataset, config, run, resume = (
+            self.job,
+            self.model,
+            self.dataset,
+            self.config,
+            self.run,
+            self.resume,
+        )
+        self.samples = SampleCache(dataset, model)
+        self.held_out = self.samples.held_out()
+        self.tracker = start_tracking(job, config, resume, self.preview, validates=bool(self.held_out))
+        self.estimate = announce_estimate(job, self.tracker, model, dataset, config, self.paths)
+        record = run_record(config, dataset.content_hash, run.world_size)
+        if resume is not None:
+            record["resumed_from"] = str(resume.path)
+        # data parallel: global batches of world_size x batch_size, each process trains its rows
+        self.order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
+        family = family_of(model)
+        self.facts = RunFacts(
+            output_name=self.paths.stem,
+            base_model=family.base_model(dataset.reference_count),
+            resolution=dataset.settings.resolution,
+            train_images=len(dataset.entries),
+            batches_per_epoch=self.order.per_epoch,
+            dataset_hash=dataset.content_hash,
+            started_at=time.time(),
+            session_id=secrets.randbits(31),
+            names=family.names,
+            base_weights=weight_formats(model.model.diffusion_model),
+        )
+        self.checkpoints = CheckpointWriter(
+            self.paths,
+            config,
+            record,
+            self.facts,
+            self.tracker,
+            resuming=resume is not None,
+            collective=self.collective,
+        )
+        self.previews = (
+            PreviewRounds(self.preview, run, job, self.tracker) if self.preview is not None else None
+        )
+        self.empty_text = self.samples.empty_text() if config.caption_dropout > 0 else None
 
     # 3) train
-    with flux_lora_session(model, config, initial, empty_text, memory_required=working_memory) as session:
-        if collective is not None:
-            collective.broadcast_(session.lora.parameters())  # one start, whatever each device drew
-            if collective.rank:  # its own LoRA-dropout draws (rank 0 keeps a single run's)
-                torch.manual_seed(config.seed + 1_000_003 * collective.rank)
-        resume_state = None
-        if resume is not None:
-            rng = RandomState.from_tensors(resume.rng, run.rank)
-            rng.restore()  # the global RNG (dropout) continues exactly where it stopped
-            resume_state = ResumeState(
-                resume.step, resume.losses, resume.optimizer_state, rng.generator, resume.validation
-            )
-
-        def validate() -> float:
-            with tracker.timed("validation"), evaluating(session.diffusion_model):
-                return held_out_loss(
-                    session.predict, held_out, config.layout, session.grid, config.seed
-                )
-
-        def on_step(info: StepInfo) -> bool:
-            job.record_loss(info.loss)
-            if info.validation_loss is not None:
-                job.record_validation(info.step, info.validation_loss)
-            job.report(tracker.update(info))
-            if previews is not None and info.step % preview.every_n_steps == 0 and info.step < config.steps:
-                try:
-                    previews.sample(session, info.step)
-                except interrupted:
-                    job.stop_requested.set()  # Cancel pressed while sampling: stop here, cleanly
-            return not job.stop_requested.is_set()
-
-        def loss(batch, generator: torch.Generator) -> torch.Tensor:
-            if collective is None:
-                return session.loss(batch, generator)
-            return session.loss(batch, generator, collective.rows(len(batch), config.batch_size))
-
-        try:
-            result = train(
-                config,
-                session.lora.parameters(),
-                lambda index: [samples.training(i) for i in order(index)],
-                loss,
-                on_step,
-                resume_state,
-                on_checkpoint=lambda step, result: checkpoints.save(session, step, result, snapshot=True),
-                # data parallel: stops only at step boundaries, agreed by all processes
-                stop_on=(interrupted,) if collective is None else (),
-                validate=validate if held_out else None,
-                collective=collective,
-            )
-        except NonFiniteLoss as error:
-            job.report(status=JobStatus.ERROR, message=str(error))
-            raise
-        except torch.OutOfMemoryError as error:
-            raise out_of_memory(error, estimate) from None
-
-        # 4) a cancelled run ends with a checkpoint to resume from
-        if result.stopped_early:
-            checkpoint = checkpoints.save(session, result.steps, result)
-            where = paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
-            job.report(
-                status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}; resume from {where}"
-            )
-            return TrainingOutcome(
-                result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
-            )
-
-        # 5) a finished one with a checkpoint (to continue with more steps), the LoRA, previews
-        checkpoints.save(session, config.steps, result)
-        if not writes:
-            job.report(status=JobStatus.FINISHED, message=f"rank {run.rank}: done (rank 0 saved the LoRA)")
-            return TrainingOutcome(result.losses, validation=result.validation)
-        saved = session.save(paths.lora, training_metadata(config, facts, config.steps))
-        lora_state = _read_back(saved)
-        if previews is not None:  # after the LoRA is safe: a Cancel here only skips this round
+    def train(self) -> TrainingOutcome:
+        config, estimate = self.config, self.estimate
+        # what ComfyUI's loader must leave room for beside the weights
+        working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
+        with flux_lora_session(
+            self.model, config, self.initial, self.empty_text, memory_required=working_memory
+        ) as session:
+            self._join_processes(session)
             try:
-                previews.sample(session, config.steps)
-            except interrupted:
-                LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", paths.stem)
-    replaced = " (replaced the previous file, overwrite is on)" if run.replaces else ""
-    job.report(status=JobStatus.FINISHED, message=f"saved {paths.lora}{replaced}")
-    final_previews = previews.images() if previews is not None else None
-    return TrainingOutcome(result.losses, lora_state, previews=final_previews, validation=result.validation)
+                result = train(
+                    config,
+                    session.lora.parameters(),
+                    lambda index: [self.samples.training(i) for i in self.order(index)],
+                    lambda batch, generator: self._loss(session, batch, generator),
+                    lambda info: self._on_step(session, info),
+                    self._resume_state(),
+                    on_checkpoint=lambda step, result: self.checkpoints.save(
+                        session, step, result, snapshot=True
+                    ),
+                    # data parallel: stops only at step boundaries, agreed by all processes
+                    stop_on=(self.interrupted,) if self.collective is None else (),
+                    validate=(lambda: self._validate(session)) if self.held_out else None,
+                    collective=self.collective,
+                )
+            except NonFiniteLoss as error:
+                self.job.report(status=JobStatus.ERROR, message=str(error))
+                raise
+            except torch.OutOfMemoryError as error:
+                raise out_of_memory(error, estimate) from None
+            if result.stopped_early:
+                return self.stopped(session, result)
+            if not self.writes:
+                return self.finished_elsewhere(session, result)
+            lora_state = self.finished(session, result)
+        replaced = " (replaced the previous file, overwrite is on)" if self.run.replaces else ""
+        self.job.report(status=JobStatus.FINISHED, message=f"saved {self.paths.lora}{replaced}")
+        final_previews = self.previews.images() if self.previews is not None else None
+        return TrainingOutcome(
+            result.losses, lora_state, previews=final_previews, validation=result.validation
+        )
+
+    def _join_processes(self, session: FluxLoraSession) -> None:
+        """Data parallel: one start, whatever each device drew; each process its own LoRA-dropout
+        draws (rank 0 keeps a single run's)."""
+        collective = self.collective
+        if collective is not None:
+            collective.broadcast_(session.lora.parameters())
+            if collective.rank:
+                torch.manual_seed(self.config.seed + 1_000_003 * collective.rank)
+
+    def _resume_state(self) -> ResumeState | None:
+        resume = self.resume
+        if resume is None:
+            return None
+        rng = RandomState.from_tensors(resume.rng, self.run.rank)
+        rng.restore()  # the global RNG (dropout) continues exactly where it stopped
+        return ResumeState(
+            resume.step, resume.losses, resume.optimizer_state, rng.generator, resume.validation
+        )
+
+    def _loss(self, session: FluxLoraSession, batch, generator: torch.Generator) -> torch.Tensor:
+        if self.collective is None:
+            return session.loss(batch, generator)
+        return session.loss(batch, generator, self.collective.rows(len(batch), self.config.batch_size))
+
+    def _validate(self, session: FluxLoraSession) -> float:
+        config = self.config
+        with self.tracker.timed("validation"), evaluating(session.diffusion_model):
+            return held_out_loss(session.predict, self.held_out, config.layout, session.grid, config.seed)
+
+    def _on_step(self, session: FluxLoraSession, info: StepInfo) -> bool:
+        job, previews = self.job, self.previews
+        job.record_loss(info.loss)
+        if info.validation_loss is not None:
+            job.record_validation(info.step, info.validation_loss)
+        job.report(self.tracker.update(info))
+        if (
+            previews is not None
+            and info.step % self.preview.every_n_steps == 0
+            and info.step < self.config.steps
+        ):
+            try:
+                previews.sample(session, info.step)
+            except self.interrupted:
+                job.stop_requested.set()  # Cancel pressed while sampling: stop here, cleanly
+        return not job.stop_requested.is_set()
+
+    # 4) a cancelled run ends with a checkpoint to resume from
+    def stopped(self, session: FluxLoraSession, result: TrainResult) -> TrainingOutcome:
+        checkpoint = self.checkpoints.save(session, result.steps, result)
+        where = self.paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
+        self.job.report(
+            status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}; resume from {where}"
+        )
+        return TrainingOutcome(
+            result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
+        )
+
+    # 5) a finished one: a checkpoint (to continue with more steps), the LoRA, the last previews
+    def finished(self, session: FluxLoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
+        config = self.config
+        self.checkpoints.save(session, config.steps, result)
+        saved = session.save(self.paths.lora, training_metadata(config, self.facts, config.steps))
+        lora_state = _read_back(saved)
+        if self.previews is not None:  # after the LoRA is safe: a Cancel here only skips this round
+            try:
+                self.previews.sample(session, config.steps)
+            except self.interrupted:
+                LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", self.paths.stem)
+        return lora_state
+
+    def finished_elsewhere(self, session: FluxLoraSession, result: TrainResult) -> TrainingOutcome:
+        """Data parallel, a process other than rank 0: its part of the last checkpoint only."""
+        self.checkpoints.save(session, self.config.steps, result)
+        self.job.report(
+            status=JobStatus.FINISHED, message=f"rank {self.run.rank}: done (rank 0 saved the LoRA)"
+        )
+        return TrainingOutcome(result.losses, validation=result.validation)
 
 
 def _read_back(path: Path) -> dict[str, torch.Tensor]:

@@ -1,10 +1,10 @@
-"""Which Flux a ComfyUI MODEL holds, read from ComfyUI's own detection: no widget to get wrong.
+"""The family of a ComfyUI MODEL, read from ComfyUI's own detection (no widget to get wrong),
+and the checks made with it before a run or a conditioning node uses the model.
 
-`flux_family(model)` is the `trainer_core.model_family.FluxFamily` (or a clear refusal);
-`token_grid(diffusion_model)` the model's patch size, RoPE axes and index step;
-`text_in(base_model)` turns a cached caption embedding into what sampling hands the model
-(ComfyUI's own `extra_conds`: FLUX.2 pads the text to 512 tokens at the front), so training
-sees exactly the text inference sees.
+`family_of(model)` is its `families.ModelFamily` (or a clear refusal); `token_grid(diffusion_model)`
+the model's patch size, RoPE axes and index step; `text_in(base_model)` turns a cached caption
+embedding into what sampling hands the model (ComfyUI's own `extra_conds`: FLUX.2 pads the text
+to 512 tokens at the front), so training sees exactly the text inference sees.
 """
 
 from __future__ import annotations
@@ -14,14 +14,8 @@ from collections.abc import Callable
 
 import torch
 
-from ..trainer_core.model_family import (
-    FluxFamily,
-    check_family_layout,
-    family_named,
-    refuse_variant,
-    unsupported_variant,
-)
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
+from .families import ModelFamily, family_named, refuse_variant
 
 
 def image_model_of(model) -> str | None:
@@ -30,20 +24,11 @@ def image_model_of(model) -> str | None:
     return config.get("image_model")
 
 
-def flux_family(model, what: str = "this MODEL") -> FluxFamily:
+def family_of(model, what: str = "this MODEL") -> ModelFamily:
     """The family, or a clear refusal for a model the pack does not train (also one that
     shares a family's `image_model`: LongCat-Image, Ovis-Image, FLUX.2 [klein])."""
-    image_model = image_model_of(model)
-    family = family_named(image_model, what)
-    params = model.model.diffusion_model.params
-    variant = unsupported_variant(
-        image_model,
-        params.context_in_dim,
-        params.vec_in_dim,
-        yak_mlp=getattr(params, "yak_mlp", False),
-        txt_ids_dims=tuple(getattr(params, "txt_ids_dims", None) or ()),
-    )
-    refuse_variant(variant, what)
+    family = family_named(image_model_of(model), what)
+    refuse_variant(family.variant(model.model.diffusion_model), what)
     return family
 
 
@@ -54,11 +39,11 @@ def comfy_runs_timestep_zero(diffusion_model) -> bool:
     return forward_orig is not None and "timestep_zero_index" in inspect.signature(forward_orig).parameters
 
 
-def check_layout_fits(model, layout: str, what: str = "this MODEL") -> FluxFamily:
+def check_layout_fits(model, layout: str, what: str = "this MODEL") -> ModelFamily:
     """The MODEL's family, after checking that the layout fits it and that this ComfyUI runs it
     (an older ComfyUI would silently take an unknown method name for `offset`)."""
-    family = flux_family(model, what)
-    check_family_layout(family, layout)
+    family = family_of(model, what)
+    family.check_layout(layout)
     if layout in TIMESTEP_ZERO_LAYOUTS and not comfy_runs_timestep_zero(model.model.diffusion_model):
         from .forward_guard import comfyui_version
 
@@ -85,7 +70,7 @@ def text_in(base_model) -> Callable[[torch.Tensor], torch.Tensor]:
     return apply
 
 
-def check_model_fits(model, dataset, layout: str) -> FluxFamily:
+def check_model_fits(model, dataset, layout: str) -> ModelFamily:
     """The MODEL's family, after checking that the dataset was encoded for it (LoadKontextDataset
     takes the VAE and CLIP separately, so a FLUX.1 dataset can meet a FLUX.2 MODEL) and that
     the layout fits it. Reads one cached sample."""

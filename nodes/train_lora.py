@@ -17,7 +17,6 @@ from comfy_api.latest import io
 
 from ..application.node_ids import node_id
 from ..application.run_policy import (
-    NO_RESUME,
     NO_START,
     resolve_resume,
     resolve_start,
@@ -28,6 +27,7 @@ from ..application.run_service import RunRequest, prepare
 from ..trainer_core.config import AFTER_OVERWRITE, AFTER_START_FROM, ORIGINAL, TrainConfig
 from ..trainer_core.job import Progress
 from ..trainer_core.names import lora_stem
+from ..trainer_core.run_config import TrainerOptions
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
@@ -43,6 +43,19 @@ def config_widgets(appended: int) -> list:
     """TrainConfig's widgets added at one time (`config.ORIGINAL`, `AFTER_OVERWRITE`,
     `AFTER_START_FROM`)."""
     return [config_widget(f) for f in dataclasses.fields(TrainConfig) if f.metadata["appended"] == appended]
+
+
+def trainer_option(name: str) -> dataclasses.Field:
+    """A TrainerOptions field: the widgets TrainLoRA has beside TrainConfig's, described once
+    (the run config's keys of [train] are the same fields)."""
+    return next(f for f in dataclasses.fields(TrainerOptions) if f.name == name)
+
+
+def described(name: str) -> dict:
+    """A TrainerOptions field's default and tooltip, for a widget whose options only ComfyUI
+    knows (the checkpoints and LoRAs of the moment)."""
+    option = trainer_option(name)
+    return {"default": option.default, "tooltip": option.metadata["tooltip"]}
 
 
 def check_name_unique_in_prompt(prompt: dict | None, node: str, stem: str) -> None:
@@ -122,37 +135,15 @@ class TrainLoRA(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL from the stock loader (a clone is trained)."),
                 Dataset.Input("dataset", tooltip="From LoadKontextDataset."),
-                io.String.Input(
-                    "lora_name",
-                    default="kontext_lora",
-                    tooltip="Saved as models/loras/<name>.safetensors; checkpoints go to "
-                    "output/kontext_trainer_checkpoints/<name>/.",
-                ),
-                io.Combo.Input(
-                    "resume_from",
-                    options=resume_choices(),
-                    default=NO_RESUME,
-                    tooltip="Continue a checkpoint exactly where it stopped (same rank, targets, seed...); "
-                    "it is read, never changed: the continued run writes its own checkpoints.",
-                ),
+                config_widget(trainer_option("lora_name")),
+                io.Combo.Input("resume_from", options=resume_choices(), **described("resume_from")),
                 *config_widgets(ORIGINAL),
                 # from here on, widgets added later: after the older ones, so workflows saved
                 # before they existed keep their widget values in place
-                io.Boolean.Input(
-                    "overwrite",
-                    default=False,
-                    tooltip="If models/loras/<name>.safetensors already exists: off refuses to start "
-                    "(pick another name), on replaces it once the new LoRA is saved.",
-                ),
+                config_widget(trainer_option("overwrite")),
                 *config_widgets(AFTER_OVERWRITE),
                 io.Combo.Input(
-                    "start_from_lora",
-                    options=start_choices(),
-                    default=NO_START,
-                    optional=True,
-                    tooltip="Start a new run from this LoRA's weights (ours, kohya, diffusers / ai-toolkit "
-                    "files): its layers are trained, with its rank and alpha (rank must match). Unlike "
-                    "resume_from, the optimizer, schedule and data order start fresh.",
+                    "start_from_lora", options=start_choices(), optional=True, **described("start_from_lora")
                 ),
                 *config_widgets(AFTER_START_FROM),
                 Preview.Input(

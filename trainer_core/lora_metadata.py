@@ -28,19 +28,26 @@ from safetensors.torch import save as serialise
 from . import __version__
 from .config import TrainConfig
 from .lora_file import LoraModule, save_atomic, to_state_dict
-from .model_family import FAMILIES
 from .optimizers import optimizer_spec
 
 NETWORK_MODULE = "networks.lora_flux"  # sd-scripts' Flux LoRA module
 MODELSPEC_VERSION = "1.0.1"  # what sd-scripts writes
 FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
-# ss_base_model_version and modelspec.architecture come from the family (`model_family`). The
+# ss_base_model_version and modelspec.architecture come from the model's family (`ModelNames`). The
 # model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
 # flux-1-dev, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
 # kontext_trainer.base_model.
 
 _HASH_BLOCK = 1 << 20  # sd-scripts hashes the data section in 1 MiB reads
 _LEGACY_OFFSET, _LEGACY_LENGTH = 0x100000, 0x10000
+
+
+@dataclass(frozen=True)
+class ModelNames:
+    """What a LoRA file's metadata calls its base model, as the model's family gives it."""
+
+    base_model_version: str  # sd-scripts' ss_base_model_version
+    architecture: str  # modelspec.architecture
 
 
 @dataclass(frozen=True)
@@ -55,7 +62,7 @@ class RunFacts:
     dataset_hash: str
     started_at: float  # time.time() when the run started
     session_id: int
-    family: str = "flux"  # ComfyUI's image_model (`model_family.FAMILIES`)
+    names: ModelNames  # what the metadata calls the base model (its family's names)
     # how the base model's Linear weights were stored: {"quantized": {format: layers} (a file in
     # ComfyUI's quantized formats), "plain": {dtype: layers}}; None: not recorded
     base_weights: dict | None = None
@@ -78,7 +85,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     network_args = {"targets": config.targets, "dropout": config.dropout or None}
     samples_per_step = config.batch_size * config.gradient_accumulation
     per_epoch, accumulation = facts.batches_per_epoch, config.gradient_accumulation
-    family = FAMILIES[facts.family]
+    family = facts.names
     kohya = {
         "ss_session_id": str(facts.session_id),
         "ss_training_started_at": str(facts.started_at),

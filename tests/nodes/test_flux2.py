@@ -59,7 +59,7 @@ def captured_ids(diffusion_model):
 
 def test_comfyui_detects_the_tiny_model_as_flux2(flux2, pack):
     family = pack.comfy_adapter.model_family
-    assert family.flux_family(flux2).title == "FLUX.2"
+    assert family.family_of(flux2).title == "FLUX.2"
     grid = family.token_grid(flux2.model.diffusion_model)  # the pack's own TokenGrid class
     assert (grid.patch_size, grid.axes, grid.ref_index_scale) == (1, 4, 10.0)
     assert type(flux2.model).__name__ == "Flux2" and flux2.model.diffusion_model.params.global_modulation

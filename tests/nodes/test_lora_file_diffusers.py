@@ -36,7 +36,7 @@ from kt_testing.graphs import dataset_inputs
 from kt_testing.tiny_models import build_flux_model, flux_patcher, small_flux_vae, tiny_clip
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
-from trainer_core.lora_metadata import RunFacts, training_metadata, write_lora
+from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata, write_lora
 from trainer_core.lora_targets import target_module_names
 
 # FLUX.1's width (diffusers' kohya converter needs it), the least depth; context 48 / pooled 32
@@ -274,7 +274,9 @@ def random_modules(flux_base: FluxBase, alpha: float, seed: int, targets=None) -
 
 def write_file(path: Path, modules, precision: str, alpha: float) -> Path:
     config = TrainConfig(rank=RANK, alpha=alpha, save_precision=precision)
-    facts = RunFacts(path.stem, "flux1_kontext", 1024, 4, 4, "cafe", 1.7e9, 1)
+    facts = RunFacts(
+        path.stem, "flux1_kontext", 1024, 4, 4, "cafe", 1.7e9, 1, ModelNames("flux1", "flux-1-dev/lora")
+    )
     return write_lora(path, modules, training_metadata(config, facts, 10), SAVE_PRECISIONS[precision], 1.7e9)
 
 

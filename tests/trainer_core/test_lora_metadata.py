@@ -15,7 +15,7 @@ from safetensors.torch import save as serialise
 from trainer_core import __version__
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import LoraModule, load
-from trainer_core.lora_metadata import RunFacts, training_metadata, write_lora
+from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata, write_lora
 
 STARTED = 1_763_900_000.25
 
@@ -28,6 +28,7 @@ FACTS = RunFacts(
     dataset_hash="abc123",
     started_at=STARTED,
     session_id=77,
+    names=ModelNames("flux1", "flux-1-dev/lora"),  # FLUX.1's (comfy_adapter/families/flux.py)
 )
 
 INTEGERS = [

@@ -11,7 +11,7 @@ import torch
 from trainer_core.choices import Optimizer
 from trainer_core.config import TrainConfig
 from trainer_core.loop import make_optimizer
-from trainer_core.lora_metadata import RunFacts, training_metadata
+from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata
 from trainer_core.optimizers import OPTIMIZERS
 from trainer_core.vram import estimate_vram
 
@@ -43,7 +43,7 @@ def test_the_factory_builds_the_class_the_metadata_names(name):
     module, _, cls = OPTIMIZERS[name].class_path.rpartition(".")
     assert type(optimizer) is getattr(importlib.import_module(module), cls)
     assert optimizer.defaults["lr"] == 3e-4 and optimizer.defaults["weight_decay"] == 0.02
-    facts = RunFacts("x", "flux1_dev", 512, 1, 1, "abc", 0.0, 1)
+    facts = RunFacts("x", "flux1_dev", 512, 1, 1, "abc", 0.0, 1, ModelNames("flux1", "flux-1-dev/lora"))
     metadata = training_metadata(config, facts, steps=1)
     assert metadata["ss_optimizer"] == f"{OPTIMIZERS[name].class_path}(weight_decay=0.02)"
 

@@ -1,4 +1,5 @@
-"""The family table: which base model a LoRA names, and what each family refuses."""
+"""The family registry (comfy_adapter/families): which base model a LoRA names, and what each
+family refuses."""
 
 from __future__ import annotations
 
@@ -6,17 +7,19 @@ import re
 
 import pytest
 
-from trainer_core.model_family import (
-    FLUX1,
-    FLUX2,
-    check_family_layout,
-    family_named,
-    refuse_variant,
-    unsupported_variant,
-)
+
+@pytest.fixture(scope="module")
+def families(pack_import):
+    return pack_import("comfy_adapter.families")
 
 
-def test_base_model_names_follow_the_family_and_the_references():
+@pytest.fixture(scope="module")
+def flux(families, pack_import):  # registered in `families` as it is imported
+    return pack_import("comfy_adapter.families.flux")
+
+
+def test_base_model_names_follow_the_family_and_the_references(flux):
+    FLUX1, FLUX2 = flux.FLUX1, flux.FLUX2
     assert (FLUX1.base_model(0), FLUX1.base_model(1), FLUX1.base_model(3)) == (
         "flux1_dev",
         "flux1_kontext",
@@ -25,20 +28,33 @@ def test_base_model_names_follow_the_family_and_the_references():
     assert (FLUX2.base_model(0), FLUX2.base_model(2)) == ("flux2_dev", "flux2_dev")
 
 
-def test_comfyuis_image_model_names_pick_the_family_and_others_are_refused():
+def test_comfyuis_image_model_names_pick_the_family_and_others_are_refused(families, flux):
+    family_named, FLUX1, FLUX2 = families.family_named, flux.FLUX1, flux.FLUX2
     assert family_named("flux") is FLUX1 and family_named("flux2") is FLUX2
     with pytest.raises(ValueError, match=r"this MODEL is a hidream model; Kontext Trainer handles"):
         family_named("hidream")
-    with pytest.raises(ValueError, match=r"is a non-Flux model"):
+    with pytest.raises(ValueError, match=r"is a model of no type ComfyUI detects"):
         family_named(None)
 
 
-def test_dreamomni2_is_a_flux1_layout():
-    assert check_family_layout(FLUX1, "dreamomni2") == "dreamomni2"
+def test_the_registry_holds_both_flux_families_and_messages_name_them_from_it(families, flux):
+    FAMILIES, trained_models, FLUX1, FLUX2 = (
+        families.FAMILIES,
+        families.trained_models,
+        flux.FLUX1,
+        flux.FLUX2,
+    )
+    assert FAMILIES == {"flux": FLUX1, "flux2": FLUX2}
+    assert trained_models() == "FLUX.1 (dev, Kontext) and FLUX.2 [dev]"
+
+
+def test_dreamomni2_is_a_flux1_layout(flux):
+    FLUX1, FLUX2 = flux.FLUX1, flux.FLUX2
+    assert FLUX1.check_layout("dreamomni2") == "dreamomni2"
     for layout in ("index", "offset", "uxo"):
-        assert check_family_layout(FLUX2, layout) == layout
+        assert FLUX2.check_layout(layout) == layout
     with pytest.raises(ValueError, match=r"'dreamomni2' does not fit a FLUX\.2 model.*index is its default"):
-        check_family_layout(FLUX2, "dreamomni2")
+        FLUX2.check_layout("dreamomni2")
 
 
 # What ComfyUI 0.33's detection gives each model (comfy/model_detection.py): image_model,
@@ -54,7 +70,8 @@ DETECTED = {
 
 
 @pytest.mark.parametrize("name", DETECTED)
-def test_models_sharing_a_familys_image_model_are_named_and_refused(name):
+def test_models_sharing_a_familys_image_model_are_named_and_refused(name, families, flux):
+    refuse_variant, unsupported_variant = families.refuse_variant, flux.unsupported_variant
     image_model, context, vec, yak, txt_ids = DETECTED[name]
     variant = unsupported_variant(image_model, context, vec, yak_mlp=yak, txt_ids_dims=txt_ids)
     if name.startswith(("FLUX.1", "FLUX.2 [dev]")):
