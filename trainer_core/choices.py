@@ -16,10 +16,14 @@ from typing import TypeVar
 
 class Choice(str, Enum):
     """A string-valued Enum whose members print as their strings (3.11's StrEnum, also on the
-    Python 3.10 ComfyUI still runs on)."""
+    Python 3.10 ComfyUI still runs on), in messages' `!r` too: a message shows what the user
+    wrote, 'dreamomni2', never the Enum's name."""
 
     def __str__(self) -> str:
         return self.value
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)

@@ -89,3 +89,14 @@ def test_out_of_range_settings_are_refused_by_name(field, value, message):
     with pytest.raises(ValueError) as caught:
         TrainConfig(**{field: value})
     assert str(caught.value) == message
+
+
+def test_a_choice_reads_as_the_text_the_user_wrote():
+    """Messages format values with !r, str or f-strings; a choice shows as its string in all."""
+    layout = TrainConfig(layout="dreamomni2").layout
+    assert (repr(layout), str(layout), f"{layout}", f"{layout!r}") == (
+        "'dreamomni2'",
+        "dreamomni2",
+        "dreamomni2",
+        "'dreamomni2'",
+    )
