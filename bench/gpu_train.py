@@ -1,6 +1,6 @@
 """GPU benchmark: seconds per training step and peak CUDA memory on the stock-loadable demo Flux
 (hidden 3072, 1 double + 1 single block, loaded by the stock UNETLoader), next to the VRAM
-estimate TrainLoRA shows for the same configuration (`application/training_run.vram_estimate`).
+estimate TrainLoRA shows for the same configuration (`application/run_reports.vram_estimate`).
 
 Configurations, each at every `--sizes` (target and one reference of that size):
   bf16        UNETLoader weight_dtype default (bf16 on a bf16 GPU)
@@ -178,7 +178,7 @@ def main() -> int:
         pack = runtime.pack_module.__name__
         names = {
             "ft": "comfy_adapter.flux_training",
-            "run": "application.training_run",
+            "run": "application.run_reports",
             "loop": "trainer_core.loop",
             "flow_step": "trainer_core.flow_step",
         }

@@ -1,0 +1,207 @@
+"""What a training run reports and writes beside its steps: the progress tracker (with what
+recurs: validation, previews, checkpoints), the VRAM estimate it announces (and names when the
+GPU runs out), its checkpoints and per-step snapshots (`CheckpointWriter`), and its preview
+rounds (`PreviewRounds`). `training_run.TrainingRun` uses them in its phases.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..comfy_adapter.comfy_quantized import stored_weight_bytes
+from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
+from ..comfy_adapter.flux_training import FluxLoraSession
+from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
+from ..trainer_core.checkpoint import Checkpoint, new_run_folder, prune, save_checkpoint
+from ..trainer_core.config import TrainConfig
+from ..trainer_core.dataset import KontextDataset
+from ..trainer_core.distributed import Collective
+from ..trainer_core.job import ProgressTracker, TrainingJob
+from ..trainer_core.loop import TrainResult
+from ..trainer_core.lora_metadata import RunFacts, training_metadata
+from ..trainer_core.rng import PER_PROCESS, RandomState, rank_key
+from ..trainer_core.run_files import LoraPaths, snapshot_steps
+from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
+
+if TYPE_CHECKING:  # training_run imports this module
+    from .training_run import Run
+
+LOGGER = logging.getLogger("kontext_trainer")
+PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in the temp folder)
+PREVIEW_ROUNDS_OUT = 4  # preview rounds (each: one image per prompt) in the `previews` output
+
+
+def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estimate:
+    """The estimate for this model, dataset and config (shown before training starts)."""
+    flux = model.model.diffusion_model
+    itemsize = stored_weight_bytes(flux.double_blocks[0].img_attn.qkv)  # a quantized file: its fp8
+    loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
+    return estimate_vram(
+        FluxShape.of(flux.params),
+        resolution=dataset.settings.resolution,
+        references=dataset.reference_count,
+        batch=config.batch_size,
+        rank=config.rank,
+        weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
+        base_format=loaded,
+        blocks_to_swap=config.blocks_to_swap,
+        gradient_checkpointing=config.gradient_checkpointing,
+        optimizer=config.optimizer,
+    )
+
+
+class CheckpointWriter:
+    """This run's checkpoints: a folder of its own (made at the first save, so a run that
+    fails early leaves none), at most one per step, the newest `keep_last` kept. Data
+    parallel: every process calls `save` (each one's random state goes into the checkpoint);
+    rank 0 writes, the others get None."""
+
+    def __init__(
+        self,
+        paths: LoraPaths,
+        config: TrainConfig,
+        record: dict,
+        facts: RunFacts,
+        tracker,
+        resuming: bool,
+        collective: Collective | None = None,
+    ):
+        self.paths, self.config, self.record, self.facts = paths, config, record, facts
+        self.tracker, self.resuming, self.collective = tracker, resuming, collective
+        self.folder: Path | None = None
+        self.saved: dict[int, Path] = {}
+        self.snapshots: list[Path] = []  # this run's, oldest first
+
+    def random_states(self, result: TrainResult) -> dict[str, torch.Tensor]:
+        """Every process's random states (a collective: all processes call it together)."""
+        tensors = RandomState.capture(result.generator).to_tensors()
+        if self.collective is None:
+            return tensors
+        for name in PER_PROCESS:  # the same names on every process (CUDA on all or on none)
+            if name in tensors:
+                gathered = self.collective.gather(tensors[name], "saving every process's random state")
+                tensors |= {rank_key(rank, name): value for rank, value in enumerate(gathered) if rank}
+        return tensors
+
+    def save(
+        self, session: FluxLoraSession, step: int, result: TrainResult, snapshot: bool = False
+    ) -> Path | None:
+        """The checkpoint at `step`; with `snapshot` (the `save_every` steps) also the LoRA at
+        that step in models/loras/<name>_steps/, in the save precision."""
+        if step in self.saved:  # e.g. Cancel right after a save_every checkpoint
+            return self.saved[step]
+        rng = self.random_states(result)
+        if self.collective is not None and self.collective.rank != 0:
+            self.saved[step] = None
+            return None
+        modules, metadata = session.lora.modules(), training_metadata(self.config, self.facts, step)
+        with self.tracker.timed("checkpoint"):
+            if snapshot:
+                self.save_snapshot(session, step, modules, metadata)
+            if self.folder is None:  # a new folder per run: a resume never touches the run it came from
+                self.folder = new_run_folder(self.paths.checkpoints)
+            path = save_checkpoint(
+                self.folder,
+                step,
+                modules,
+                result.optimizer,
+                rng,
+                result.losses,
+                self.record,
+                metadata,
+                validation=result.validation,
+            )
+            prune(self.folder, self.config.keep_last)
+        self.saved[step] = path
+        return path
+
+    def save_snapshot(self, session: FluxLoraSession, step: int, modules: dict, metadata: dict) -> None:
+        """The LoRA at `step` in models/loras/<name>_steps/. A new run's first one clears what an
+        earlier run of the name left there (TrainLoRA allowed it: overwrite on), so runs never
+        mix; a resumed run continues its run's snapshots. Only this run's are pruned."""
+        if not self.snapshots and not self.resuming:
+            for earlier in snapshot_steps(self.paths).values():
+                earlier.unlink(missing_ok=True)
+        self.paths.snapshots.mkdir(parents=True, exist_ok=True)
+        path = session.save(self.paths.snapshot(step), metadata, modules)
+        self.snapshots.append(path)
+        if self.config.keep_last > 0:
+            for old in self.snapshots[: -self.config.keep_last]:
+                old.unlink(missing_ok=True)
+            del self.snapshots[: -self.config.keep_last]
+
+
+class PreviewRounds:
+    """Preview images sampled during the run: the latest listed on the node, the last few
+    rounds kept for the `previews` output."""
+
+    def __init__(self, settings: PreviewSettings, run: Run, job: TrainingJob, tracker):
+        self.settings, self.run, self.job, self.tracker = settings, run, job, tracker
+        self.refs: list[dict] = []
+        self.rounds: list[torch.Tensor] = []
+
+    def sample(self, session: FluxLoraSession, step: int) -> None:
+        with self.tracker.timed("preview"):
+            images = sample_previews(session, self.settings, session.config.layout)
+            self.refs.extend(save_previews(images, self.run.temp_dir, self.run.paths.stem, step))
+        del self.refs[:-PREVIEW_HISTORY]
+        self.rounds.append(images)
+        del self.rounds[:-PREVIEW_ROUNDS_OUT]
+        # on the tracker's progress, so every later step's report keeps the history
+        self.tracker.progress = dataclasses.replace(self.tracker.progress, previews=tuple(self.refs))
+        self.job.report(self.tracker.progress)
+
+    def images(self) -> torch.Tensor | None:
+        return torch.cat(self.rounds) if self.rounds else None
+
+
+def start_tracking(
+    job: TrainingJob, config: TrainConfig, resume: Checkpoint | None, preview, validates: bool
+) -> ProgressTracker:
+    """The progress tracker, with what recurs beside the steps, and the earlier points of a
+    resumed run on the job (its chart continues)."""
+    tracker = ProgressTracker(config.steps, resume.step if resume else 0)
+    if preview is not None:
+        tracker.recurring("preview", preview.every_n_steps, at_end=True)
+    tracker.recurring("checkpoint", config.save_every or config.steps, at_end=True)
+    if validates:
+        tracker.recurring("validation", config.validate_every or config.steps, at_end=True)
+    for loss in resume.losses if resume else []:
+        job.record_loss(loss)
+    for step, loss in resume.validation if resume else []:
+        job.record_validation(step, loss)
+    return tracker
+
+
+def announce_estimate(job, tracker, model, dataset, config, paths: LoraPaths) -> Estimate:
+    estimate = vram_estimate(model, dataset, config)
+    weights = module_weight_bytes(model.model.diffusion_model)
+    LOGGER.info(
+        "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
+    )
+    notes = dynamic_vram_notes(model, config.blocks_to_swap, config.fp8_mode)
+    for note in notes:
+        LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
+    message = f"estimated VRAM {estimate}"
+    if notes:  # the weights stream: what the GPU needs is the rest
+        beside = f"beside them training needs ~{estimate.total - estimate.weights:.1f} GiB of VRAM"
+        message = "; ".join([notes[0], f"{beside} ({message})", *notes[1:]])
+    # kept on every step's progress (the panel shows it while training; an event always has it)
+    tracker.progress = dataclasses.replace(tracker.progress, message=message)
+    job.report(tracker.progress)
+    return estimate
+
+
+def out_of_memory(error: torch.OutOfMemoryError, estimate: Estimate) -> torch.OutOfMemoryError:
+    """Kept an OutOfMemoryError, so ComfyUI's own out-of-memory handling still runs."""
+    first_line = str(error).splitlines()[0] if str(error) else ""
+    return torch.OutOfMemoryError(
+        "out of GPU memory while training; try fp8 base weights (UNETLoader weight_dtype "
+        "fp8_e4m3fn), blocks_to_swap, a smaller resolution or batch size, or gradient "
+        f"checkpointing ({estimate}; {first_line})"
+    )
