@@ -13,20 +13,19 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..comfy_adapter.comfy_quantized import stored_weight_bytes
 from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
-from ..comfy_adapter.flux_training import FluxLoraSession
+from ..comfy_adapter.lora_session import LoraSession
+from ..comfy_adapter.model_family import vram_estimate
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
 from ..trainer_core.checkpoint import Checkpoint, new_run_folder, prune, save_checkpoint
 from ..trainer_core.config import TrainConfig
-from ..trainer_core.dataset import KontextDataset
 from ..trainer_core.distributed import Collective
 from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import TrainResult
 from ..trainer_core.lora_metadata import RunFacts, training_metadata
 from ..trainer_core.rng import PER_PROCESS, RandomState, rank_key
 from ..trainer_core.run_files import LoraPaths, snapshot_steps
-from ..trainer_core.vram import Estimate, FluxShape, estimate_vram, module_weight_bytes
+from ..trainer_core.vram import Estimate, module_weight_bytes
 
 if TYPE_CHECKING:  # training_run imports this module
     from .training_run import Run
@@ -34,25 +33,6 @@ if TYPE_CHECKING:  # training_run imports this module
 LOGGER = logging.getLogger("kontext_trainer")
 PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in the temp folder)
 PREVIEW_ROUNDS_OUT = 4  # preview rounds (each: one image per prompt) in the `previews` output
-
-
-def vram_estimate(model, dataset: KontextDataset, config: TrainConfig) -> Estimate:
-    """The estimate for this model, dataset and config (shown before training starts)."""
-    flux = model.model.diffusion_model
-    itemsize = stored_weight_bytes(flux.double_blocks[0].img_attn.qkv)  # a quantized file: its fp8
-    loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
-    return estimate_vram(
-        FluxShape.of(flux.params),
-        resolution=dataset.settings.resolution,
-        references=dataset.reference_count,
-        batch=config.batch_size,
-        rank=config.rank,
-        weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
-        base_format=loaded,
-        blocks_to_swap=config.blocks_to_swap,
-        gradient_checkpointing=config.gradient_checkpointing,
-        optimizer=config.optimizer,
-    )
 
 
 class CheckpointWriter:
@@ -89,7 +69,7 @@ class CheckpointWriter:
         return tensors
 
     def save(
-        self, session: FluxLoraSession, step: int, result: TrainResult, snapshot: bool = False
+        self, session: LoraSession, step: int, result: TrainResult, snapshot: bool = False
     ) -> Path | None:
         """The checkpoint at `step`; with `snapshot` (the `save_every` steps) also the LoRA at
         that step in models/loras/<name>_steps/, in the save precision."""
@@ -120,7 +100,7 @@ class CheckpointWriter:
         self.saved[step] = path
         return path
 
-    def save_snapshot(self, session: FluxLoraSession, step: int, modules: dict, metadata: dict) -> None:
+    def save_snapshot(self, session: LoraSession, step: int, modules: dict, metadata: dict) -> None:
         """The LoRA at `step` in models/loras/<name>_steps/. A new run's first one clears what an
         earlier run of the name left there (TrainLoRA allowed it: overwrite on), so runs never
         mix; a resumed run continues its run's snapshots. Only this run's are pruned."""
@@ -145,7 +125,7 @@ class PreviewRounds:
         self.refs: list[dict] = []
         self.rounds: list[torch.Tensor] = []
 
-    def sample(self, session: FluxLoraSession, step: int) -> None:
+    def sample(self, session: LoraSession, step: int) -> None:
         with self.tracker.timed("preview"):
             images = sample_previews(session, self.settings, session.config.layout)
             self.refs.extend(save_previews(images, self.run.temp_dir, self.run.paths.stem, step))

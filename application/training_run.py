@@ -25,7 +25,7 @@ import torch
 from ..comfy_adapter.cast_contract import linear_names
 from ..comfy_adapter.comfy_loading import interrupted_error
 from ..comfy_adapter.comfy_quantized import weight_formats
-from ..comfy_adapter.flux_training import FluxLoraSession, flux_lora_session
+from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.checkpoint import load_checkpoint
@@ -203,7 +203,7 @@ class TrainingRun:
         config, estimate = self.config, self.estimate
         # what ComfyUI's loader must leave room for beside the weights
         working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
-        with flux_lora_session(
+        with lora_session(
             self.model, config, self.initial, self.empty_text, memory_required=working_memory
         ) as session:
             self._join_processes(session)
@@ -240,7 +240,7 @@ class TrainingRun:
             result.losses, lora_state, previews=final_previews, validation=result.validation
         )
 
-    def _join_processes(self, session: FluxLoraSession) -> None:
+    def _join_processes(self, session: LoraSession) -> None:
         """Data parallel: one start, whatever each device drew; each process its own LoRA-dropout
         draws (rank 0 keeps a single run's)."""
         collective = self.collective
@@ -259,17 +259,17 @@ class TrainingRun:
             resume.step, resume.losses, resume.optimizer_state, rng.generator, resume.validation
         )
 
-    def _loss(self, session: FluxLoraSession, batch, generator: torch.Generator) -> torch.Tensor:
+    def _loss(self, session: LoraSession, batch, generator: torch.Generator) -> torch.Tensor:
         if self.collective is None:
             return session.loss(batch, generator)
         return session.loss(batch, generator, self.collective.rows(len(batch), self.config.batch_size))
 
-    def _validate(self, session: FluxLoraSession) -> float:
+    def _validate(self, session: LoraSession) -> float:
         config = self.config
         with self.tracker.timed("validation"), evaluating(session.diffusion_model):
             return held_out_loss(session.predict, self.held_out, config.layout, session.grid, config.seed)
 
-    def _on_step(self, session: FluxLoraSession, info: StepInfo) -> bool:
+    def _on_step(self, session: LoraSession, info: StepInfo) -> bool:
         job, previews = self.job, self.previews
         job.record_loss(info.loss)
         if info.validation_loss is not None:
@@ -287,7 +287,7 @@ class TrainingRun:
         return not job.stop_requested.is_set()
 
     # 4) a cancelled run ends with a checkpoint to resume from
-    def stopped(self, session: FluxLoraSession, result: TrainResult) -> TrainingOutcome:
+    def stopped(self, session: LoraSession, result: TrainResult) -> TrainingOutcome:
         checkpoint = self.checkpoints.save(session, result.steps, result)
         where = self.paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
         self.job.report(
@@ -298,7 +298,7 @@ class TrainingRun:
         )
 
     # 5) a finished one: a checkpoint (to continue with more steps), the LoRA, the last previews
-    def finished(self, session: FluxLoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
+    def finished(self, session: LoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
         config = self.config
         self.checkpoints.save(session, config.steps, result)
         saved = session.save(self.paths.lora, training_metadata(config, self.facts, config.steps))
@@ -310,7 +310,7 @@ class TrainingRun:
                 LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", self.paths.stem)
         return lora_state
 
-    def finished_elsewhere(self, session: FluxLoraSession, result: TrainResult) -> TrainingOutcome:
+    def finished_elsewhere(self, session: LoraSession, result: TrainResult) -> TrainingOutcome:
         """Data parallel, a process other than rank 0: its part of the last checkpoint only."""
         self.checkpoints.save(session, self.config.steps, result)
         self.job.report(

@@ -43,7 +43,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(prefix="kt-bench-") as scratch:
         pack = boot(Path(scratch)).pack_module.__name__
-        ft = importlib.import_module(f"{pack}.comfy_adapter.flux_training")
+        ft = importlib.import_module(f"{pack}.comfy_adapter.lora_session")
         flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
         samples = tiny_samples(
             flow_step.Sample, 1, 4, [(args.size, args.size)], target=(args.size, args.size)
@@ -61,7 +61,7 @@ def main() -> None:
             if keep_casts:
                 ft.recast_in_backward = lambda module: lambda: None
             try:
-                with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
+                with torch.inference_mode(False), ft.lora_session(model, config) as session:
                     params = session.lora.parameters()
                     times, saved = [], []
                     for i in range(args.steps):

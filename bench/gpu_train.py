@@ -1,6 +1,6 @@
 """GPU benchmark: seconds per training step and peak CUDA memory on the stock-loadable demo Flux
 (hidden 3072, 1 double + 1 single block, loaded by the stock UNETLoader), next to the VRAM
-estimate TrainLoRA shows for the same configuration (`application/run_reports.vram_estimate`).
+estimate TrainLoRA shows for the same configuration (`comfy_adapter/model_family.vram_estimate`).
 
 Configurations, each at every `--sizes` (target and one reference of that size):
   bf16        UNETLoader weight_dtype default (bf16 on a bf16 GPU)
@@ -81,7 +81,7 @@ def measure(mods, model, sample, config, warmup: int, cuda: bool, working_memory
 
     free_everything(cuda)
     baseline = torch.cuda.memory_allocated() if cuda else 0
-    training = mods.ft.flux_lora_session(model, config, memory_required=working_memory)
+    training = mods.ft.lora_session(model, config, memory_required=working_memory)
     with torch.inference_mode(False), training as session:
         if cuda:
             torch.cuda.synchronize()
@@ -177,8 +177,8 @@ def main() -> int:
         runtime = boot(Path(scratch))
         pack = runtime.pack_module.__name__
         names = {
-            "ft": "comfy_adapter.flux_training",
-            "run": "application.run_reports",
+            "ft": "comfy_adapter.lora_session",
+            "run": "comfy_adapter.model_family",
             "loop": "trainer_core.loop",
             "flow_step": "trainer_core.flow_step",
         }

@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="kt-bench-") as scratch:
         runtime = boot(Path(scratch))
         pack = runtime.pack_module.__name__
-        ft = importlib.import_module(f"{pack}.comfy_adapter.flux_training")
+        ft = importlib.import_module(f"{pack}.comfy_adapter.lora_session")
         loop = importlib.import_module(f"{pack}.trainer_core.loop")
         flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
         vram = importlib.import_module(f"{pack}.trainer_core.vram")
@@ -79,7 +79,7 @@ def main() -> None:
                     seed=0,
                     fp8_mode="fp8_scaled" if weights == "fp8_scaled" else "as_loaded",
                 )
-                with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
+                with torch.inference_mode(False), ft.lora_session(model, config) as session:
                     flux = session.diffusion_model
                     swapped = 0
                     if session.swapper is not None:

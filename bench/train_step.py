@@ -5,7 +5,7 @@ one Kontext-style sample, a target latent plus one reference latent of the same 
 CLIP-L-sized text, at rank `--rank`, with AdamW, fp32 compute on the CPU and gradient
 checkpointing on:
 
-  ours       `flux_lora_session` + `loop.train` with TrainConfig's defaults (targets=
+  ours       `lora_session` + `loop.train` with TrainConfig's defaults (targets=
              attention_mlp), exactly what TrainLoRA runs;
   ours_all   the same with targets=all_linear, the most layers ours can adapt;
   native     `TrainLoraNode.execute` (comfy_extras/nodes_train.py) with its defaults except rank

@@ -66,14 +66,14 @@ def _numel(parameters) -> int:
 
 
 def run_ours(model, inputs: Inputs, args, targets: str | None = None) -> Trained:
-    ft = _pack("comfy_adapter.flux_training")
+    ft = _pack("comfy_adapter.lora_session")
     flow_step = _pack("trainer_core.flow_step")
     loop = _pack("trainer_core.loop")
     sample = flow_step.Sample(inputs.target[0], inputs.context[0], inputs.pooled[0], [inputs.reference[0]])
     overrides = {"targets": targets} if targets else {}
     overrides["fp8_mode"] = getattr(args, "fp8_mode", "as_loaded")
     config = ft.TrainConfig(steps=args.warmup + args.steps, **overrides)  # every other field: default
-    with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
+    with torch.inference_mode(False), ft.lora_session(model, config) as session:
         parameters = session.lora.parameters()
         result = loop.train(config, parameters, lambda i: [sample], session.loss)
         layers = f"LoRA on {len(session.lora.names)} block linears (targets={config.targets})"
@@ -197,7 +197,7 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
     plus reference latent), MSE on the target's velocity, backward, AdamW."""
     import comfy.model_management
 
-    ft = _pack("comfy_adapter.flux_training")
+    ft = _pack("comfy_adapter.lora_session")
     flux_blocks = _pack("comfy_adapter.flux_blocks")
     lora_adapters = _pack("trainer_core.lora_adapters")
     lora_targets = _pack("trainer_core.lora_targets")

@@ -5,7 +5,7 @@ Under dynamic VRAM the stock loader leaves the weights in a read-only memory map
 and `ModelPatcherDynamic` streams every module over 16 KiB to the GPU per use (vbar pages that
 stay resident while VRAM allows), force-loading only the small ones. The training run:
 
-- trains on those weights without a copy (`flux_training`: the frozen base is made usable by
+- trains on those weights without a copy (`lora_session`: the frozen base is made usable by
   autograd with tensors sharing the loaded memory, and every casting Linear casts again in the
   backward: `cast_contract`), after a dirty load (a fresh `patches_uuid`), so no cast view that
   earlier sampling cached under inference mode is reused;

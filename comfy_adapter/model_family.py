@@ -15,6 +15,8 @@ from collections.abc import Callable
 import torch
 
 from ..trainer_core.position_ids import TIMESTEP_ZERO_LAYOUTS, TokenGrid
+from ..trainer_core.vram import Estimate, FluxShape, estimate_vram
+from .comfy_quantized import stored_weight_bytes
 from .families import ModelFamily, family_named, refuse_variant
 
 
@@ -97,3 +99,22 @@ def check_model_fits(model, dataset, layout: str) -> ModelFamily:
             f"LoadKontextDataset the {family.text_encoder}"
         )
     return family
+
+
+def vram_estimate(model, dataset, config) -> Estimate:
+    """The estimate for this model, dataset and config (shown before training starts)."""
+    flux = model.model.diffusion_model
+    itemsize = stored_weight_bytes(flux.double_blocks[0].img_attn.qkv)  # a quantized file: its fp8
+    loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
+    return estimate_vram(
+        FluxShape.of(flux.params),
+        resolution=dataset.settings.resolution,
+        references=dataset.reference_count,
+        batch=config.batch_size,
+        rank=config.rank,
+        weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
+        base_format=loaded,
+        blocks_to_swap=config.blocks_to_swap,
+        gradient_checkpointing=config.gradient_checkpointing,
+        optimizer=config.optimizer,
+    )

@@ -77,7 +77,7 @@ def deterministic():
 def mods(pack_import):
     """The pack's modules as ComfyUI imported them."""
     names = {
-        "ft": "comfy_adapter.flux_training",
+        "ft": "comfy_adapter.lora_session",
         "node": "nodes.train_lora",
         "job": "trainer_core.job",
         "run": "application.training_run",

@@ -35,7 +35,7 @@ def test_swapping_on_the_gpu_changes_nothing_but_where_weights_wait(gpu, mods, d
     before = model_output(model)
 
     def run(swap: int):
-        with mods.ft.flux_lora_session(model, swap_config(mods, swap)) as session:
+        with mods.ft.lora_session(model, swap_config(mods, swap)) as session:
             away = blocks_away_from(session.diffusion_model, gpu.device)
             randomise_lora(session, seed=5)
             return loss_and_grads(session, samples), away
@@ -99,7 +99,7 @@ def test_swap_copies_overlap_compute(cuda_only, mods):
         return 2 * sum(copy[i] for i in expected_swapped(doubles, singles, swap))
 
     def step_seconds(swap: int, samples) -> float:
-        with mods.ft.flux_lora_session(model, swap_config(mods, swap, rank=4)) as session:
+        with mods.ft.lora_session(model, swap_config(mods, swap, rank=4)) as session:
             return median_step_seconds(gpu, session, samples, steps=3, warmup=1)
 
     for side in LATENT_SIDES:

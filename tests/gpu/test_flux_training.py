@@ -56,14 +56,14 @@ def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     def train_one_step(session):
         return mods.loop.train(config, session.lora.parameters(), lambda i: samples, session.loss).losses[0]
 
-    with mods.ft.flux_lora_session(cpu_patcher(seed=5, family=family), config) as session:
+    with mods.ft.lora_session(cpu_patcher(seed=5, family=family), config) as session:
         randomise_lora(session, seed=2)
         reference_loss, reference_grads = loss_and_grads(session, samples)
         reference_step = train_one_step(session)
 
     model = tiny.patcher(seed=5, dtype=torch.bfloat16)
     before = model_output(model, **probe)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         params = session.lora.parameters()
         assert {(p.device, p.dtype) for p in params} == {(gpu.device, torch.float32)}
         randomise_lora(session, seed=2)
@@ -126,7 +126,7 @@ def test_a_partial_load_trains_like_a_full_load(gpu, mods, deterministic, with_l
         # weights alone it left every layer behind, see tests/nodes/test_device_paths.py)
         budget = model.model_size() // 4 + offload_reserve(model)
         limit = weights_budget(budget, gpu.dry_run) if partial else contextlib.nullcontext()
-        with limit, mods.ft.flux_lora_session(model, config) as session:
+        with limit, mods.ft.lora_session(model, config) as session:
             flux = session.patcher.model
             left_behind = [m for m in flux.diffusion_model.modules() if hasattr(m, "prev_comfy_cast_weights")]
             lora_ids = {id(p) for p in session.lora.parameters()}

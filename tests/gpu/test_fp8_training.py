@@ -33,7 +33,7 @@ def fp8_config(mods, **overrides):
 
 
 def train_losses(mods, model, config, samples):
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         return mods.loop.train(
             config, session.lora.parameters(), lambda i: [samples[i % len(samples)]], session.loss
         ).losses
@@ -55,13 +55,13 @@ def test_fp8_base_weights_train_on_the_gpu_as_on_the_cpu(gpu, mods):
     e4m3 = torch.float8_e4m3fn
     samples = tiny_samples(mods.flow_step.Sample, 4, 2, [(8, 8)])
     config = fp8_config(mods)
-    with mods.ft.flux_lora_session(cpu_patcher(1, e4m3, torch.float32), config) as session:
+    with mods.ft.lora_session(cpu_patcher(1, e4m3, torch.float32), config) as session:
         randomise_lora(session, seed=2)
         reference_loss, reference_grads = loss_and_grads(session, samples[:2])
 
     model = tiny_flux_patcher(seed=1, dtype=e4m3, manual_cast_dtype=torch.bfloat16)
     before = model_output(model)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         lora_ids = {id(p) for p in session.lora.parameters()}
         base = [p for p in session.diffusion_model.parameters() if id(p) not in lora_ids]
         assert {(p.dtype, p.device) for p in base} == {(e4m3, gpu.device)}  # never upcast in memory
@@ -98,7 +98,7 @@ def test_fp8_scaled_on_the_gpu_follows_full_precision_and_restores_the_model(gpu
 
     model = tiny_flux_patcher(seed=1, dtype=torch.bfloat16)
     before, parameters = model_output(model), dict(model.model.diffusion_model.named_parameters())
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         names = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "double_blocks.0.img_mod.lin")
         layers = [session.diffusion_model.get_submodule(n) for n in names]
         weights = [getattr(layer, "base_layer", layer).weight for layer in layers]
@@ -148,7 +148,7 @@ def test_fp8_scaled_never_puts_the_bf16_block_weights_on_the_gpu(cuda_only, mods
     torch.cuda.reset_peak_memory_stats(cuda_only.device)
     base = torch.cuda.memory_allocated(cuda_only.device)
     config = fp8_config(mods, fp8_mode="fp8_scaled", rank=4)
-    with mods.ft.flux_lora_session(model, config):
+    with mods.ft.lora_session(model, config):
         resident = torch.cuda.memory_allocated(cuda_only.device) - base
         peak = torch.cuda.max_memory_allocated(cuda_only.device) - base
     bound = bf16_bytes - 0.35 * scaled_bytes

@@ -36,12 +36,12 @@ def test_a_quantized_model_trains_on_the_gpu_as_on_the_cpu(gpu, mods):
     samples = tiny_samples(mods.flow_step.Sample, 2, 2, [(8, 8)])
     config = mods.ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", seed=1)
     reference_model, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1, compute=torch.float32)
-    with mods.ft.flux_lora_session(cpu_quantized_patcher(reference_model), config) as session:
+    with mods.ft.lora_session(cpu_quantized_patcher(reference_model), config) as session:
         randomise_lora(session, seed=2)
         reference_loss, reference_grads = loss_and_grads(session, samples)
 
     model, _ = quantized_flux_model(TINY_FLUX_CONFIG, seed=1, compute=torch.bfloat16)
-    with mods.ft.flux_lora_session(flux_patcher(model), config) as session:
+    with mods.ft.lora_session(flux_patcher(model), config) as session:
         qkv = session.diffusion_model.double_blocks[0].img_attn.qkv.get_base_layer()
         assert type(qkv.weight).__name__ == "QuantizedTensor" and qkv.weight.device.type == gpu.device.type
         randomise_lora(session, seed=2)
@@ -70,7 +70,7 @@ def test_fp8_backward_on_the_gpu(gpu, mods):
     grads = {}
     for mode in ("as_loaded", "fp8_backward"):
         config = mods.ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", seed=1, fp8_mode=mode)
-        with mods.ft.flux_lora_session(flux_patcher(model), config) as session:
+        with mods.ft.lora_session(flux_patcher(model), config) as session:
             randomise_lora(session, seed=2)
             _, grads[mode] = loss_and_grads(session, samples)
     error = relative_error(grads["fp8_backward"], grads["as_loaded"])

@@ -1,4 +1,4 @@
-"""Peak host memory of one real training step (forward + backward through `flux_lora_session`)
+"""Peak host memory of one real training step (forward + backward through `lora_session`)
 of the tiny Flux on the CPU, at several latent sizes: what `tests/nodes/test_vram_measured.py`
 compares the VRAM estimator's activation term with.
 
@@ -63,7 +63,7 @@ def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
     from kt_testing.tiny_models import tiny_flux_patcher
 
     torch.set_num_threads(1)  # one thread: no per-thread scratch buffers in the figures
-    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
     sample_type = importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
 
     def sdpa(func, *args, **kwargs):
@@ -75,7 +75,7 @@ def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
         model.model_options["transformer_options"]["optimized_attention_override"] = sdpa
         config = ft.TrainConfig(rank=4, alpha=4.0, gradient_checkpointing=checkpointing)
         grown = {}
-        with ft.flux_lora_session(model, config) as session:
+        with ft.lora_session(model, config) as session:
             for index, size in enumerate([WARM_UP_SIZE, *sizes]):
                 samples = tiny_samples(sample_type, 1, 4, [], target=(size, size))
                 for param in session.lora.parameters():

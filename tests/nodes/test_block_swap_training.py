@@ -17,7 +17,7 @@ def mods(pack_import):
         "Mods",
         (),
         {
-            "ft": pack_import("comfy_adapter.flux_training"),
+            "ft": pack_import("comfy_adapter.lora_session"),
             "flow_step": pack_import("trainer_core.flow_step"),
         },
     )
@@ -37,7 +37,7 @@ def loss_and_grads(mods, model, blocks_to_swap, record=None, family="flux"):
         seed=4,
         layout=TINY_FAMILIES[family].layout,
     )
-    with mods.ft.flux_lora_session(model, config, poison_swapped=True) as session:
+    with mods.ft.lora_session(model, config, poison_swapped=True) as session:
         if record is not None and session.swapper is not None:
             resident_peak = [0]
 
@@ -84,5 +84,5 @@ def test_swap_needs_checkpointing(mods):
     with pytest.raises(ValueError, match="blocks_to_swap needs gradient_checkpointing"):
         mods.ft.TrainConfig(blocks_to_swap=2, gradient_checkpointing=False)
     with pytest.raises(ValueError, match="only 4 blocks"):
-        with mods.ft.flux_lora_session(tiny_flux_patcher(seed=1), mods.ft.TrainConfig(blocks_to_swap=5)):
+        with mods.ft.lora_session(tiny_flux_patcher(seed=1), mods.ft.TrainConfig(blocks_to_swap=5)):
             pass

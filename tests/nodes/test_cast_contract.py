@@ -22,7 +22,7 @@ from kt_testing.tiny_models import tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack_import):
-    return pack_import("comfy_adapter.flux_training")
+    return pack_import("comfy_adapter.lora_session")
 
 
 def step(
@@ -40,7 +40,7 @@ def step(
         if keep_casts:
             ft.recast_in_backward = lambda module: lambda: None
         try:
-            with ft.flux_lora_session(model, config) as session:
+            with ft.lora_session(model, config) as session:
                 randomise_lora(session, seed=3)
 
                 def pack_saved(tensor):
@@ -101,7 +101,7 @@ def test_stream_buffers_fail_loudly_without_the_contract_and_train_with_it(ft, s
 def test_the_contract_is_taken_off_when_training_ends(ft, samples):
     model = tiny_flux_patcher(seed=6)
     config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention")
-    with torch.inference_mode(False), ft.flux_lora_session(model, config) as session:
+    with torch.inference_mode(False), ft.lora_session(model, config) as session:
         layer = session.diffusion_model.double_blocks[0].img_mlp[0]
         assert "forward" in vars(layer)  # the recompute sits on frozen Linears too
     assert "forward" not in vars(model.model.diffusion_model.double_blocks[0].img_mlp[0])

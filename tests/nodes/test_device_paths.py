@@ -37,7 +37,7 @@ LORA_LAYERS = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "doubl
 @pytest.fixture(scope="module")
 def mods(pack_import):
     names = {
-        "ft": "comfy_adapter.flux_training",
+        "ft": "comfy_adapter.lora_session",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
         "previews": "comfy_adapter.previews",
@@ -87,7 +87,7 @@ def test_a_training_step_stays_on_the_compute_device(
     budget = weight_bytes(model) // 2 if partial else 2**34
     meta_as_gpu(monkeypatch, model, int(mm.minimum_inference_memory()) + budget)
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", seed=3)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         assert bool(lowvram_layers(session.diffusion_model)) == partial
         parameters = session.lora.parameters()
         assert {p.device for p in parameters} == {META}
@@ -105,7 +105,7 @@ def test_a_training_step_stays_on_the_compute_device(
 
 
 def gradients(mods, model, config):
-    with mods.ft.flux_lora_session(model, config, poison_swapped=True) as session:
+    with mods.ft.lora_session(model, config, poison_swapped=True) as session:
         left_behind = lowvram_layers(session.diffusion_model)
         swapped = []
         if session.swapper is not None:
@@ -199,7 +199,7 @@ def test_half_the_weights_is_a_partial_load_only_beside_comfyuis_offload_reserve
         model = base_model("fp32", True)
         with pytest.MonkeyPatch.context() as scoped:
             cpu_as_small_gpu(scoped, weight_budget=budget_of(model))
-            with mods.ft.flux_lora_session(model, config) as session:
+            with mods.ft.lora_session(model, config) as session:
                 return len(lowvram_layers(session.diffusion_model))
 
     half = left_behind(lambda model: weight_bytes(model) // 2)
@@ -230,7 +230,7 @@ def test_fp8_scaled_applies_the_stock_lora_exactly(mods, monkeypatch, partial):
     if partial:  # every layer left behind: the patches apply per use (see CASES)
         cpu_as_small_gpu(monkeypatch, weight_budget=weight_bytes(model) // 16)
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode="fp8_scaled", seed=2)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         left_behind = lowvram_layers(session.diffusion_model)
         for layer in ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2"):
             base = session.diffusion_model.get_submodule(layer).get_base_layer()
@@ -252,7 +252,7 @@ def test_fp8_scaled_quantises_before_comfyui_loads(mods, pack_import):
     scaled = pack_import("trainer_core.fp8_rows").scaled_layer_names(flux)
     expected = mm.module_size(model.model) - sum(3 * flux.get_submodule(n).weight.numel() for n in scaled)
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode="fp8_scaled", seed=2)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         assert session.patcher.model.model_loaded_weight_memory == expected  # 1 byte, not 4
     assert mm.module_size(model.model) == expected + sum(
         3 * flux.get_submodule(n).weight.numel() for n in scaled
@@ -264,7 +264,7 @@ def test_fp8_scaled_quantises_before_comfyui_loads(mods, pack_import):
 
 def losses(mods, model, config, during=None):
     batch = samples(mods)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
 
         def on_step(info):
             if during is not None:
@@ -305,7 +305,7 @@ def test_previews_sample_the_training_clone_in_place(mods, monkeypatch):
         positive, None, small_flux_vae(), 1, 2, 1.0, 3.5, 64, 64, 0, "euler", "simple"
     )
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)
-    with mods.ft.flux_lora_session(base_model("fp32", True), config) as session:
+    with mods.ft.lora_session(base_model("fp32", True), config) as session:
         weights = {n: p.data_ptr() for n, p in session.diffusion_model.named_parameters()}
         calls.clear()
         images = mods.previews.sample_previews(session, settings, config.layout)
@@ -374,7 +374,7 @@ def test_loads_from_the_training_thread_leave_the_loaders_weights_usable(mods):
     MODEL's weights are plain inference tensors ComfyUI can use, never half-inference ones."""
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=4, fp8_mode="fp8_scaled")
     model = loaded_in_the_executor("fp32", True)
-    with mods.ft.flux_lora_session(model, config):
+    with mods.ft.lora_session(model, config):
         pass
     assert not half_inference(model)
     with torch.inference_mode():

@@ -40,7 +40,7 @@ def flux2(comfy_runtime):
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
 
 
 @contextlib.contextmanager
@@ -139,7 +139,7 @@ def test_training_prediction_is_comfyuis_sampling_call_with_its_text(ft, pack):
     expected = (sample.target[None] - denoised) / sigma
     context = pack.comfy_adapter.model_family.text_in(model.model)(sample.context)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=4.0, layout="index")
-    with ft.flux_lora_session(model, config) as session, torch.no_grad():
+    with ft.lora_session(model, config) as session, torch.no_grad():
         batch = build_token_batch([sample.target], [sample.references], "index", FLUX2_GRID)
         got = session.predict(batch, sigma, context[None], sample.pooled[None])
         unpadded = session.predict(batch, sigma, sample.context[None], sample.pooled[None])

@@ -17,7 +17,7 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +65,7 @@ def session_gradients(ft, model, samples, checkpointing: bool, copied: bool = Fa
         flux_blocks = importlib.import_module(ft.__name__.rsplit(".", 1)[0] + ".flux_blocks")
         ft.install_trainable_blocks = functools.partial(copied_blocks.install_copied_blocks, flux_blocks)
     try:
-        with ft.flux_lora_session(model, config) as session:
+        with ft.lora_session(model, config) as session:
             randomise_lora(session, seed=seed)
             loss = _loss(session, samples)
             return loss.detach(), torch.autograd.grad(loss, session.lora.parameters())
@@ -97,7 +97,7 @@ def _saved_bytes(ft, model, samples, checkpointing: bool) -> tuple[int, int]:
     how many block forwards ran during the backward (recomputation)."""
     config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
     kept, in_backward = [], []
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         blocks = [*session.diffusion_model.double_blocks, *session.diffusion_model.single_blocks]
         hooks = [
             b.register_forward_pre_hook(
@@ -149,7 +149,7 @@ def test_an_in_place_change_comfyui_might_add_stops_the_run_before_any_step(
     real = ft.check_training_backward
     try:
         monkeypatch.setattr(ft, "check_training_backward", lambda *args, **kwargs: None)
-        with ft.flux_lora_session(model, config) as session:
+        with ft.lora_session(model, config) as session:
             if checkpointing:
                 _loss(session, samples).backward()  # silently
             else:
@@ -161,7 +161,7 @@ def test_an_in_place_change_comfyui_might_add_stops_the_run_before_any_step(
             r"of its Flux forward modifies, in place, a tensor the backward needs"
         )
         with pytest.raises(RuntimeError, match=message):
-            with ft.flux_lora_session(model, config):
+            with ft.lora_session(model, config):
                 pytest.fail("the session must not start")
     finally:
         for hook in hooks:
@@ -225,7 +225,7 @@ def test_lora_gradients_equal_finite_differences(ft, Sample, references, checkpo
         seed=1,
         layout=tiny.layout,
     )
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         randomise_lora(session, seed=2)
         params = session.lora.parameters()
         assert {p.dtype for p in params} == {torch.float64}
@@ -239,7 +239,7 @@ def test_checkpointing_gives_the_same_gradients(ft, Sample):
     grads = []
     for checkpointing in (False, True):
         config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=checkpointing)
-        with ft.flux_lora_session(model, config) as session:
+        with ft.lora_session(model, config) as session:
             randomise_lora(session, seed=7)
             grads.append(torch.autograd.grad(_loss(session, samples), session.lora.parameters()))
     for plain, checkpointed in zip(*grads, strict=True):
@@ -264,7 +264,7 @@ def test_padded_mixed_size_batch_equals_comfyui_call_per_sample(ft, Sample, pack
         pooled = torch.stack([s.pooled for s in samples])
         return batch, session.predict(batch, sigma, context, pooled)
 
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         randomise_lora(session, seed=9)
         with torch.no_grad():
             mixed, together = predict(session, first + second, sigma)
@@ -295,7 +295,7 @@ def test_same_seed_same_losses_and_another_seed_differs(ft, Sample, pack):
             learning_rate=1e-3,
         )
         batches = [samples[:2], samples[2:]] * 2
-        with ft.flux_lora_session(model, config, empty_text=empty) as session:
+        with ft.lora_session(model, config, empty_text=empty) as session:
             return loop.train(config, session.lora.parameters(), batches.__getitem__, session.loss).losses
 
     first = run(0)
@@ -310,7 +310,7 @@ def test_no_full_size_weight_is_materialised(ft, Sample):
     samples = tiny_samples(Sample, 1, 13, [(8, 8)])
     config = ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", gradient_checkpointing=False)
     saved = []
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         randomise_lora(session, seed=14)
         base = {
             layer.get_base_layer().weight.data_ptr(): tuple(layer.get_base_layer().weight.shape)
@@ -357,7 +357,7 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
     with torch.no_grad(), comfy_training_mode(pack):
         denoised = model.model.apply_model(x, sigma, **kwargs)
     expected = (x - denoised) / sigma
-    with ft.flux_lora_session(model, config) as session, torch.no_grad():
+    with ft.lora_session(model, config) as session, torch.no_grad():
         batch = token_batch.build_token_batch([sample.target], [sample.references], config.layout)
         got = session.predict(batch, sigma, sample.context[None], sample.pooled[None])
         other_guidance = ft.TrainConfig(rank=2, alpha=2.0, guidance=1.0, layout="index")

@@ -17,7 +17,7 @@ from kt_testing.tiny_models import TINY_FAMILIES
 @pytest.fixture(scope="module")
 def mods(pack):
     names = {
-        "ft": "comfy_adapter.flux_training",
+        "ft": "comfy_adapter.lora_session",
         "guard": "comfy_adapter.forward_guard",
         "blocks": "comfy_adapter.flux_blocks",
     }
@@ -55,7 +55,7 @@ def test_the_paths_agree_within_the_tolerance(mods, pack, case, dtype):
 
     mods.ft.check_training_forward = recording
     try:
-        with mods.ft.flux_lora_session(patcher, config):
+        with mods.ft.lora_session(patcher, config):
             pass
     finally:
         mods.ft.check_training_forward = real
@@ -86,7 +86,7 @@ def test_a_broken_patch_stops_the_run_before_any_step(mods, pack, monkeypatch):
     steps = []
     message = rf"cannot train on this ComfyUI \({comfyui_version.__version__}\): .* Nothing was trained"
     with pytest.raises(RuntimeError, match=message):
-        with mods.ft.flux_lora_session(patcher, config) as session:
+        with mods.ft.lora_session(patcher, config) as session:
             loop.train(config, session.lora.parameters(), lambda i: samples, session.loss, steps.append)
     assert steps == []
 
@@ -116,7 +116,7 @@ def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, monk
         r"was made under inference mode .* --disable-dynamic-vram"
     )
     with pytest.raises(RuntimeError, match=message) as raised:
-        with mods.ft.flux_lora_session(patcher, config):
+        with mods.ft.lora_session(patcher, config):
             pass
     assert "\n" not in str(raised.value)
 
@@ -128,11 +128,11 @@ def test_a_resumed_lora_with_dropout_passes_the_guard(mods):
     from kt_testing.gradients import randomise_lora
 
     patcher = TINY_FAMILIES["flux"].patcher(seed=4)
-    with mods.ft.flux_lora_session(patcher, mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)) as session:
+    with mods.ft.lora_session(patcher, mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1)) as session:
         randomise_lora(session, seed=3)
         trained = session.lora.modules()
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, dropout=0.5, seed=1)
-    with mods.ft.flux_lora_session(patcher, config, initial=trained) as session:
+    with mods.ft.lora_session(patcher, config, initial=trained) as session:
         assert any(m.training for m in session.diffusion_model.modules())  # dropout is on again
 
 
@@ -151,9 +151,9 @@ def test_the_probe_carries_a_reference_in_the_runs_layout(mods, pack, monkeypatc
     for layout in ("index", "index_timestep_zero"):
         config = mods.ft.TrainConfig(rank=2, alpha=2.0, seed=1, layout=layout)
         if layout == "index":  # no modulation ranges: the patch is harmless
-            with mods.ft.flux_lora_session(tiny_flux2_patcher(seed=4), config):
+            with mods.ft.lora_session(tiny_flux2_patcher(seed=4), config):
                 pass
         else:
             with pytest.raises(RuntimeError, match=r"cannot train on this ComfyUI \(0\.33"):
-                with mods.ft.flux_lora_session(tiny_flux2_patcher(seed=4), config):
+                with mods.ft.lora_session(tiny_flux2_patcher(seed=4), config):
                     pytest.fail("the session must not start")

@@ -15,7 +15,7 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 @pytest.fixture(scope="module")
 def mods(pack_import):
     names = {
-        "ft": "comfy_adapter.flux_training",
+        "ft": "comfy_adapter.lora_session",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
         "vram": "trainer_core.vram",
@@ -34,7 +34,7 @@ apply = model_output
 def run(mods, model, steps=8, fp8_mode="as_loaded"):
     samples = tiny_samples(mods.flow_step.Sample, 4, 2, [(8, 8)])
     config = mods.ft.TrainConfig(steps=steps, rank=4, alpha=4.0, learning_rate=1e-3, fp8_mode=fp8_mode)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         assert {p.dtype for p in session.lora.parameters()} == {torch.float32}
         return mods.loop.train(
             config, session.lora.parameters(), lambda i: [samples[i % 4]], session.loss
@@ -141,7 +141,7 @@ def one_step_gradients(mods, model, fp8_mode, family="flux"):
     config = mods.ft.TrainConfig(
         rank=4, alpha=4.0, fp8_mode=fp8_mode, targets="all_linear", layout=tiny.layout
     )
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         params = session.lora.parameters()
         generator = torch.Generator().manual_seed(3)
         with torch.no_grad():
@@ -156,7 +156,7 @@ def trained_lora(mods, model, fp8_mode, steps=4):
     config = mods.ft.TrainConfig(
         steps=steps, rank=4, alpha=4.0, learning_rate=1e-3, fp8_mode=fp8_mode, seed=5
     )
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         params = session.lora.parameters()
         generator = torch.Generator().manual_seed(3)
         with torch.no_grad():  # the same start for every run: lora_A random, lora_B zero
@@ -215,7 +215,7 @@ def session_output(mods, model, fp8_mode):
     """Sampling-time output inside a training session (LoRA still zero), and the weight dtype
     of an attention, a fused single-block and a modulation layer."""
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode=fp8_mode)
-    with mods.ft.flux_lora_session(model, config) as session:
+    with mods.ft.lora_session(model, config) as session:
         out = model_output(session.patcher, transformer_options=session.transformer_options())
         names = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "double_blocks.0.img_mod.lin")
         layers = [session.diffusion_model.get_submodule(n) for n in names]

@@ -134,7 +134,7 @@ def test_paths_are_checked(pack, input_dir):
 
 
 def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
-    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
     loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
     dataset, _ = run(
@@ -145,7 +145,7 @@ def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
     config = ft.TrainConfig(steps=2, rank=2, alpha=2.0, caption_dropout=0.5, learning_rate=1e-3)
     with (
         torch.inference_mode(False),
-        ft.flux_lora_session(model, config, empty_text=dataset.empty_text()) as session,
+        ft.lora_session(model, config, empty_text=dataset.empty_text()) as session,
     ):
         result = loop.train(config, session.lora.parameters(), lambda i: samples, session.loss)
     assert len(result.losses) == 2 and all(torch.isfinite(torch.tensor(result.losses)))

@@ -17,7 +17,7 @@ from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +135,7 @@ def test_shared_model_is_bit_identical_after_training(ft, core, comfy_runtime, w
     config = ft.TrainConfig(
         steps=3, rank=4, alpha=4.0, learning_rate=1e-2, layout=layout, targets="all_linear"
     )
-    with ft.flux_lora_session(shared, config) as session:
+    with ft.lora_session(shared, config) as session:
         # Training starts from exactly the model the user loaded (incl. a stock LoRA's weights):
         # at initialisation (lora_B = 0) the sampling-time output is identical.
         assert torch.equal(output(session.patcher, session.transformer_options()), before)
@@ -184,7 +184,7 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(
     def output(model, transformer_options=None):  # this family's input
         return sampling_output(model, transformer_options, family)
 
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         train_steps(core, session, config, samples_for(core, 4, seed=3, family=family))
         in_training = output(session.patcher, session.transformer_options())
         trained = session.lora.modules()
@@ -228,7 +228,7 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(
     # The same file seeds a new run: same weights, same outputs as the stock-loaded model.
     resumed_config = dataclasses.replace(config, targets="attention")  # the file's layers win
     initial = run.seed_lora(path, model, resumed_config)
-    with ft.flux_lora_session(model, resumed_config, initial=initial) as session:
+    with ft.lora_session(model, resumed_config, initial=initial) as session:
         exported = session.lora.modules()
         assert set(exported) == set(initial)
         for layer, module in initial.items():
@@ -287,7 +287,7 @@ def test_held_out_loss_halves_and_the_reference_is_used(ft, core, family):
         layout=tiny.layout,
     )
 
-    with ft.flux_lora_session(tiny.patcher(seed=1), config) as session:
+    with ft.lora_session(tiny.patcher(seed=1), config) as session:
 
         def validate(data=held_out):
             with core.validation.evaluating(session.diffusion_model):
@@ -319,7 +319,7 @@ def test_trains_a_model_created_in_inference_mode(ft, core):
     assert next(model.model.diffusion_model.parameters()).is_inference()
     before = sampling_output(model)
     config = ft.TrainConfig(steps=2, rank=2, alpha=2.0, learning_rate=1e-2)
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         result = train_steps(core, session, config, samples_for(core, 2, seed=4))
     assert len(result.losses) == 2 and all(loss == loss for loss in result.losses)
     assert torch.equal(sampling_output(model), before)

@@ -13,7 +13,7 @@ from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
 
 def test_previews_sample_without_lora_dropout_and_restore_train_mode(pack):
-    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
     previews = importlib.import_module(f"{pack.__name__}.comfy_adapter.previews")
     lora_file = importlib.import_module(f"{pack.__name__}.trainer_core.lora_file")
     clip = tiny_clip(seed=2)
@@ -35,7 +35,7 @@ def test_previews_sample_without_lora_dropout_and_restore_train_mode(pack):
     images = {}
     for dropout in (0.0, 0.5):
         config = ft.TrainConfig(rank=2, alpha=2.0, dropout=dropout, gradient_checkpointing=False)
-        with ft.flux_lora_session(model, config, initial) as session:
+        with ft.lora_session(model, config, initial) as session:
             modes = [m.training for m in session.diffusion_model.modules()]
             images[dropout] = previews.sample_previews(session, settings, "offset")
             assert [m.training for m in session.diffusion_model.modules()] == modes

@@ -29,7 +29,7 @@ pytestmark = pytest.mark.usefixtures("comfy_runtime")
 @pytest.fixture(scope="module")
 def mods(pack_import):
     names = {
-        "ft": "comfy_adapter.flux_training",
+        "ft": "comfy_adapter.lora_session",
         "loop": "trainer_core.loop",
         "flow_step": "trainer_core.flow_step",
     }
@@ -62,7 +62,7 @@ def gradients(mods, model, family, checkpointing=True):
     config = mods.ft.TrainConfig(
         rank=4, alpha=4.0, targets="all_linear", layout=tiny.layout, gradient_checkpointing=checkpointing
     )
-    with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(model), config) as session:
+    with torch.inference_mode(False), mods.ft.lora_session(flux_patcher(model), config) as session:
         randomise_lora(session, seed=3)
         names = list(session.lora.names)
         loss = session.loss(samples, torch.Generator().manual_seed(11))
@@ -152,7 +152,7 @@ def test_training_a_quantized_model_learns_and_leaves_it_untouched(mods):
     before = {k: v.clone() for k, v in quantized.diffusion_model.state_dict().items()}
     samples = tiny_samples(mods.flow_step.Sample, 4, 2, [(8, 8)])
     config = mods.ft.TrainConfig(steps=8, rank=4, alpha=4.0, learning_rate=1e-3)
-    with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(quantized), config) as session:
+    with torch.inference_mode(False), mods.ft.lora_session(flux_patcher(quantized), config) as session:
         losses = mods.loop.train(
             config, session.lora.parameters(), lambda i: [samples[i % 4]], session.loss
         ).losses
@@ -171,7 +171,7 @@ def test_training_a_quantized_model_learns_and_leaves_it_untouched(mods):
 def assert_refused_in_one_line(mods, model, config, words: str) -> None:
     """The session refuses `model` with a one-line ValueError matching `words`, before any step."""
     with pytest.raises(ValueError, match=words) as refused:
-        with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(model), config):
+        with torch.inference_mode(False), mods.ft.lora_session(flux_patcher(model), config):
             pass
     assert "\n" not in str(refused.value) and "no layers to train" not in str(refused.value)
 
@@ -208,7 +208,7 @@ def test_after_training_the_model_gives_its_state_dict_in_the_executor(mods):
     loaded = qkv.weight
     with (
         torch.inference_mode(False),
-        mods.ft.flux_lora_session(flux_patcher(quantized), mods.ft.TrainConfig()),
+        mods.ft.lora_session(flux_patcher(quantized), mods.ft.TrainConfig()),
     ):
         assert qkv.weight is not loaded  # training computes with an autograd-usable copy
     # as loaded again (0.3.75), or what ComfyUI's own unload made of it (0.33 re-wraps quantized
@@ -314,7 +314,7 @@ def test_fp8_backward_rounds_the_gradients_within_e5m2s_bound(mods, fp8_compute)
         config = mods.ft.TrainConfig(rank=4, alpha=4.0, targets="all_linear", fp8_mode=mode)
         with (
             torch.inference_mode(False),
-            mods.ft.flux_lora_session(flux_patcher(quantized), config) as session,
+            mods.ft.lora_session(flux_patcher(quantized), config) as session,
         ):
             assert mm.training_fp8_bwd is (mode == "fp8_backward")
             randomise_lora(session, seed=3)
@@ -356,7 +356,7 @@ def test_the_stored_size_counts_the_packed_values(pack_import):
 def trained_file(mods, tmp_path, model, steps=3):
     samples = tiny_samples(mods.flow_step.Sample, 4, 2, [(8, 8)])
     config = mods.ft.TrainConfig(steps=steps, rank=4, alpha=4.0, learning_rate=1e-2, targets="all_linear")
-    with torch.inference_mode(False), mods.ft.flux_lora_session(flux_patcher(model), config) as session:
+    with torch.inference_mode(False), mods.ft.lora_session(flux_patcher(model), config) as session:
         mods.loop.train(config, session.lora.parameters(), lambda i: [samples[i % 4]], session.loss)
         return session.save(tmp_path / "quantized.safetensors", {}), session.lora.modules()
 
@@ -399,7 +399,7 @@ def test_start_from_lora_on_a_quantized_model(mods, tmp_path, pack_import):
     assert "double_blocks.0.img_attn.qkv" in seed
     with (
         torch.inference_mode(False),
-        mods.ft.flux_lora_session(flux_patcher(quantized), config, seed) as session,
+        mods.ft.lora_session(flux_patcher(quantized), config, seed) as session,
     ):
         started = session.lora.modules()
     assert started.keys() == seed.keys()
@@ -415,7 +415,7 @@ def test_block_swap_on_a_quantized_model_gives_the_same_gradients(mods):
     results = []
     for swap in (0, 3):
         config = mods.ft.TrainConfig(rank=4, alpha=4.0, blocks_to_swap=swap, gradient_checkpointing=True)
-        session_context = mods.ft.flux_lora_session(
+        session_context = mods.ft.lora_session(
             flux_patcher(quantized), config, poison_swapped=bool(swap)
         )
         with torch.inference_mode(False), session_context as session:

@@ -37,7 +37,7 @@ def comfy_has_timestep_zero() -> bool:
 
 @pytest.fixture(scope="module")
 def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_training")
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
 
 
 @pytest.fixture(scope="module")
@@ -128,7 +128,7 @@ def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft,
 
     text_in = pack.comfy_adapter.model_family.text_in(model.model)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=4.0, layout=LAYOUT)
-    with ft.flux_lora_session(model, config) as session, torch.no_grad():
+    with ft.lora_session(model, config) as session, torch.no_grad():
         randomise_lora(session, seed=4)
         wanted = [expected(first[0], sigma[:1]), expected(second[0], sigma[1:])]
         samples = first + second
@@ -160,7 +160,7 @@ def test_lora_gradients_with_timestep_zero_equal_finite_differences(on_033, ft, 
     config = ft.TrainConfig(
         rank=3, alpha=1.5, targets="all_linear", gradient_checkpointing=checkpointing, seed=1, layout=LAYOUT
     )
-    with ft.flux_lora_session(model, config) as session:
+    with ft.lora_session(model, config) as session:
         randomise_lora(session, seed=2)
         names = [name for name, _ in session.lora.layers()]
         assert {"double_stream_modulation_img.lin", "single_stream_modulation.lin"} <= set(names)
@@ -180,7 +180,7 @@ def test_flux1_is_refused_the_timestep_zero_layout(comfy_runtime, pack, ft):
     with pytest.raises(ValueError, match=message):
         pack.comfy_adapter.model_family.check_layout_fits(flux1, LAYOUT, "MultiImageConditioning's model")
     with pytest.raises(ValueError, match=message):
-        with ft.flux_lora_session(flux1, ft.TrainConfig(rank=2, alpha=2.0, layout=LAYOUT)):
+        with ft.lora_session(flux1, ft.TrainConfig(rank=2, alpha=2.0, layout=LAYOUT)):
             pass
 
 
@@ -200,5 +200,5 @@ def test_comfyui_without_timestep_zero_refuses_the_layout_by_version(comfy_runti
     with pytest.raises(Exception, match=message):
         multi_image(pack, flux2, LAYOUT, image(64, 64))
     with pytest.raises(ValueError, match=message):
-        with ft.flux_lora_session(flux2, ft.TrainConfig(rank=2, alpha=2.0, layout=LAYOUT)):
+        with ft.lora_session(flux2, ft.TrainConfig(rank=2, alpha=2.0, layout=LAYOUT)):
             pass

@@ -1,7 +1,8 @@
-"""Training a LoRA on the Flux inside a ComfyUI MODEL (the adapter between `trainer_core` and
-ComfyUI).
+"""The training session: a LoRA trained on the diffusion model inside a ComfyUI MODEL (the
+adapter between `trainer_core` and ComfyUI; the blocks, ids and probes it uses are still the
+Flux families' own, see ARCHITECTURE.md).
 
-`flux_lora_session(model, config)` is a context manager that
+`lora_session(model, config)` is a context manager that
 1. clones the MODEL (`with_reference_ids`: our reference position ids) and makes ComfyUI's own
    blocks trainable on the clone (`flux_blocks`: block patches, norm pre-hooks), with
    ComfyUI's training mode on (`flux_blocks.comfy_training_mode`);
@@ -29,7 +30,7 @@ ComfyUI).
 Device discipline: the cached samples stay on the CPU; `predict` moves each batch to the
 load device and the loss is computed where the model computed (`flow_step`).
 
-`FluxLoraSession.predict` is the model call of the objective: for a batch whose samples share
+`LoraSession.predict` is the model call of the objective: for a batch whose samples share
 their sizes it is exactly the call `BaseModel._apply_model` makes (ComfyUI's Flux `forward`
 with `ref_latents` and `ref_latents_method`, through its wrappers and patches; inputs cast
 the same way); a padded mixed-size batch goes through `forward_orig` with per-sample ids and
@@ -90,7 +91,7 @@ def _compute_dtype(base_model) -> torch.dtype:
 
 
 @dataclass
-class FluxLoraSession:
+class LoraSession:
     patcher: object  # the training clone (ModelPatcher)
     lora: AttachedLora
     config: TrainConfig
@@ -236,7 +237,7 @@ def _rng_devices() -> list[int]:
 
 
 @contextlib.contextmanager
-def flux_lora_session(
+def lora_session(
     model,
     config: TrainConfig,
     initial: Mapping[str, LoraModule] | None = None,
@@ -244,7 +245,7 @@ def flux_lora_session(
     poison_swapped: bool = False,
     memory_required: int = 0,
 ):
-    """Yield a `FluxLoraSession` training a new LoRA (or `initial`) on a clone of `model`.
+    """Yield a `LoraSession` training a new LoRA (or `initial`) on a clone of `model`.
 
     Runs with inference mode off (ComfyUI executes nodes under `torch.inference_mode`) and
     with torch's global RNG forked and seeded from `config.seed` (LoRA init, dropout), so the
@@ -316,4 +317,4 @@ def flux_lora_session(
         undo.enter_context(comfy_training_mode(True))
         undo.callback(diffusion_model.train, diffusion_model.training)
         diffusion_model.train(config.dropout > 0)
-        yield FluxLoraSession(clone, lora, config, empty_text, swapper)
+        yield LoraSession(clone, lora, config, empty_text, swapper)
