@@ -260,7 +260,8 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
         say(f"training on {model.load_device}", rank)
         dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
-        in_section("train", lambda: prepared.check_fit(model, dataset))
+        in_section("train", lambda: prepared.check_resume(dataset))
+        in_section("model", lambda: prepared.check_model(model, dataset))
         if prepared.run.resume is not None:
             say(f"resuming {prepared.run.resume}", rank)
         printer = ProgressPrinter(rank)

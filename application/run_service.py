@@ -3,6 +3,7 @@
     request = RunRequest(lora_name, config, overwrite, resume, start_from)
     prepared = prepare(request)                  # files: names, overwrite, what the run starts from
     prepared.check_fit(model, dataset)           # the resume matches, the model can train this
+                                                 # (check_resume + check_model)
     outcome = prepared.run(model, dataset, ...)  # the job thread, polled until it ends
     chart = prepared.finish(outcome)             # the loss chart beside the LoRA (None: stopped)
 
@@ -62,10 +63,17 @@ class PreparedRun:
         return self.run.paths
 
     def check_fit(self, model, dataset) -> None:
-        """The resume continues this run exactly (same settings, dataset and processes), and
-        the model can train this dataset with this config."""
+        """Both checks below (the node makes them together)."""
+        self.check_resume(dataset)
+        self.check_model(model, dataset)
+
+    def check_resume(self, dataset) -> None:
+        """A resume continues this run exactly: same settings, dataset and processes."""
         if self.state is not None:
             check_resume(self.state, self.config, dataset.content_hash, self.run.world_size)
+
+    def check_model(self, model, dataset) -> None:
+        """The model can train this dataset with this config (family, layout, quantization)."""
         check_model_fits(model, dataset, self.config.layout)
         check_quantized_model(model, self.config.fp8_mode)
 

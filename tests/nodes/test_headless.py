@@ -224,3 +224,20 @@ def test_an_existing_lora_is_refused_before_anything_loads(uninterrupted, files)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"{config}: [train] lora_name: " in result.stderr and "turn on overwrite" in result.stderr
     assert "loading the model files" not in result.stdout  # refused before the models load
+
+
+def test_a_model_that_cannot_train_the_run_is_blamed_on_the_model_section(files):
+    # index_timestep_zero is FLUX.2 only; the tiny model is a FLUX.1: the model's fault, not [train]'s
+    config = write_config(
+        files.root / "layout.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "layout", "steps": 2, "layout": "index_timestep_zero"},
+    )
+    result = run(command(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{config}: [model] layout 'index_timestep_zero' does not fit a FLUX.1 model" in result.stderr, (
+        result.stderr
+    )
+    assert "Traceback" not in result.stderr
