@@ -82,9 +82,9 @@ class TrainingOutcome:
 def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
     """The modules of a LoRA file a new run starts from (`start_from_lora`), checked against
     this model's layers and the rank widget."""
-    flux = model.model.diffusion_model
-    names = linear_names(flux)
-    modules = dict(flux.named_modules())
+    diffusion_model = model.model.diffusion_model
+    names = linear_names(diffusion_model)
+    modules = dict(diffusion_model.named_modules())
     shapes = {name: (modules[name].out_features, modules[name].in_features) for name in names}
     return read_seed_lora(path, names, config.rank, shapes)
 

@@ -198,11 +198,12 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
     import comfy.model_management
 
     ft = _pack("comfy_adapter.lora_session")
-    flux_blocks = _pack("comfy_adapter.flux_blocks")
+    trainable_blocks = _pack("comfy_adapter.trainable_blocks")
+    flux_blocks = _pack("comfy_adapter.families.flux.blocks")
     lora_adapters = _pack("trainer_core.lora_adapters")
     lora_targets = _pack("trainer_core.lora_targets")
     # ComfyUI's training mode (0.33: the eager RoPE, which has a backward), as ours trains
-    with torch.inference_mode(False), flux_blocks.comfy_training_mode(True):
+    with torch.inference_mode(False), trainable_blocks.comfy_training_mode(True):
         torch.manual_seed(0)
         clone = model.clone()
         comfy.model_management.load_models_gpu([clone])
@@ -211,7 +212,7 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
         linears = _pack("comfy_adapter.cast_contract").linear_names(flux)
         names = lora_targets.target_module_names(linears, "attention_mlp")
         lora = lora_adapters.attach_lora(flux, names, args.rank, float(args.rank))
-        flux_blocks.install_trainable_blocks(clone, checkpointing=True)
+        flux_blocks.install(clone, checkpointing=True)
         optimizer = torch.optim.AdamW(lora.parameters(), lr=LORA_LEARNING_RATE, foreach=False)
         options = clone.model_options["transformer_options"]
         gen = torch.Generator().manual_seed(0)

@@ -2,11 +2,11 @@
 ComfyUI's own inference forward compute the user's model on one small input, and a difference
 beyond rounding stops the run before any step.
 
-The training path is ComfyUI's forward with the pack's block patches (`flux_blocks`), norm
-pre-hooks and ComfyUI's training mode; the inference path is the same forward without the
-block patches and with the training mode off, as a sampler runs it. Both see the same weights,
-LoRA layers included, so they can differ only where a ComfyUI change breaks what the patches
-rely on (a block argument, the order of its outputs, a new in-place step).
+The training path is ComfyUI's forward with the pack's block patches (`trainable_blocks`, the
+family's `install_blocks`), norm pre-hooks and ComfyUI's training mode; the inference path is
+the same forward without the block patches and with the training mode off, as a sampler runs
+it. Both see the same weights, LoRA layers included, so they can differ only where a ComfyUI
+change breaks what the patches rely on (a block argument, the order of its outputs, a new in-place step).
 
 Tolerance (relative RMS difference of the outputs): ComfyUI 0.33 samples with comfy-kitchen's
 fused RoPE and trains with its eager RoPE; both rotate q and k in float32, so the two outputs
@@ -16,7 +16,8 @@ fp8 weights computed in bf16) rounds every activation to 8 / 11 bits, so the two
 differ by a few 1e-3, and 3e-2 is allowed. A broken patch differs by the size of a block's
 contribution: order 1e-1 and more.
 
-The probe carries one reference in the run's layout, so the reference path (ids, and 0.33's
+The probe is the family's (`ModelFamily.probe`): a small seeded input with one reference in
+the run's layout, so the reference path (ids, and 0.33's
 timestep-zero modulation) is compared too.
 
 With gradient checkpointing, autograd hands the tensors a block saves to checkpoint's hooks
@@ -48,69 +49,39 @@ def _cannot_train() -> str:
     return f"Kontext Trainer cannot train on this ComfyUI ({comfyui_version()})"
 
 
-def _without_our_blocks(options: dict, ours: tuple[type, ...]) -> dict:
-    replace = dict(options.get("patches_replace", {}))
-    replace["dit"] = {k: v for k, v in replace.get("dit", {}).items() if not isinstance(v, ours)}
-    return {**options, "patches_replace": replace}
-
-
-def probe_inputs(diffusion_model, device, dtype, layout: str | None = None) -> dict:
-    """A 2 x 2 token target with 4 text tokens, seeded, in the model's compute dtype; with a
-    `layout`, also one 2 x 2 token reference in that layout."""
-    params = diffusion_model.params
-    gen = torch.Generator().manual_seed(0)
-    side = 2 * params.patch_size
-    inputs = {
-        "x": torch.randn(1, params.in_channels, side, side, generator=gen),
-        "context": torch.randn(1, 4, params.context_in_dim, generator=gen),
-        "y": torch.randn(1, params.vec_in_dim, generator=gen) if params.vec_in_dim else None,
-        "guidance": torch.ones(1) if params.guidance_embed else None,
-    }
-    inputs = {k: v.to(device, dtype) if v is not None else None for k, v in inputs.items()}
-    inputs["timesteps"] = torch.full((1,), 0.5, device=device)
-    if layout is not None:
-        reference = torch.randn(1, params.in_channels, side, side, generator=gen)
-        inputs["ref_latents"] = [reference.to(device, dtype)]
-        inputs["ref_latents_method"] = layout
-    return inputs
-
-
 def relative_difference(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     ours, theirs = ours.double(), theirs.double()
     return float((ours - theirs).norm() / theirs.norm().clamp_min(1e-30))
 
 
 def check_training_forward(
-    patcher, transformer_options: dict, dtype: torch.dtype, layout: str | None = None
+    patcher, family, transformer_options: dict, dtype: torch.dtype, layout: str | None = None
 ) -> float:
     """Raise (before any step) if the training path's output differs from ComfyUI's forward
     beyond `TOLERANCE`; returns the relative difference. With a `layout`, the probe has a
-    reference in that layout (the patcher must carry `reference_ids`' wrapper)."""
+    reference in that layout (the patcher must carry the family's reference ids)."""
     from ..trainer_core.validation import evaluating
-    from .flux_blocks import DoubleBlockReplacement, SingleBlockReplacement, comfy_training_mode
+    from .trainable_blocks import comfy_training_mode, without_trainable_blocks
 
-    flux = patcher.model.diffusion_model
-    probe = probe_inputs(flux, patcher.load_device, dtype, layout)
-    x, t = probe.pop("x"), probe.pop("timesteps")
-    theirs_options = _without_our_blocks(
-        transformer_options, (DoubleBlockReplacement, SingleBlockReplacement)
-    )
+    model = patcher.model.diffusion_model
+    args, kwargs = family.probe(model, patcher.load_device, dtype, layout)
+    theirs_options = without_trainable_blocks(transformer_options)
     # no graph: nothing either forward casts is kept (ComfyUI may reuse it, cast_contract), and
     # no LoRA dropout (peft makes its dropout modules in train mode)
-    with evaluating(flux), torch.no_grad():
+    with evaluating(model), torch.no_grad():
         # sampling's RoPE (comfy-kitchen's fused op on 0.33), which has no float64 kernel: a
         # float64 model (tests) is compared with the eager RoPE on both sides
         with comfy_training_mode(dtype == torch.float64):
-            theirs = flux(x, t, transformer_options=theirs_options, **probe)
+            theirs = model(*args, transformer_options=theirs_options, **kwargs)
         with comfy_training_mode(True):
             try:
-                ours = flux(x, t, transformer_options=dict(transformer_options), **probe)
+                ours = model(*args, transformer_options=dict(transformer_options), **kwargs)
             except torch.OutOfMemoryError:
                 raise
             except Exception as error:  # ComfyUI's own forward ran: the patches broke
                 raise RuntimeError(
-                    f"{_cannot_train()}: for this model ComfyUI's own Flux forward runs but the "
-                    f"training path fails ({type(error).__name__}: {str(error).splitlines()[0]}), "
+                    f"{_cannot_train()}: for this model ComfyUI's own {family.title} forward runs but "
+                    f"the training path fails ({type(error).__name__}: {str(error).splitlines()[0]}), "
                     "so a ComfyUI update changed something the trainer relies on. Nothing was "
                     "trained. Please report it with your ComfyUI version."
                 ) from error
@@ -120,7 +91,7 @@ def check_training_forward(
     allowed = TOLERANCE.get(dtype, HALF_TOLERANCE)
     if not difference <= allowed:  # also NaN
         raise RuntimeError(
-            f"{_cannot_train()}: for this model the training path and ComfyUI's own Flux "
+            f"{_cannot_train()}: for this model the training path and ComfyUI's own {family.title} "
             f"forward give different outputs (relative difference {difference:.1e}, allowed "
             f"{allowed:.0e}), so a ComfyUI update changed something the trainer relies on. "
             "Nothing was trained. Please report it with your ComfyUI version."
@@ -129,19 +100,18 @@ def check_training_forward(
 
 
 def check_training_backward(
-    patcher, transformer_options: dict, dtype: torch.dtype, params, layout: str | None = None
+    patcher, family, transformer_options: dict, dtype: torch.dtype, params, layout: str | None = None
 ) -> None:
     """Raise (before any step) if a backward through the training path (installed without
     checkpointing) trips autograd's in-place check."""
     from ..trainer_core.validation import evaluating
-    from .flux_blocks import comfy_training_mode
+    from .trainable_blocks import comfy_training_mode
 
-    flux = patcher.model.diffusion_model
-    probe = probe_inputs(flux, patcher.load_device, dtype, layout)
-    x, t = probe.pop("x"), probe.pop("timesteps")
-    with evaluating(flux), torch.enable_grad(), comfy_training_mode(True):  # eval: no dropout
+    model = patcher.model.diffusion_model
+    args, kwargs = family.probe(model, patcher.load_device, dtype, layout)
+    with evaluating(model), torch.enable_grad(), comfy_training_mode(True):  # eval: no dropout
         try:
-            out = flux(x, t, transformer_options=dict(transformer_options), **probe)
+            out = model(*args, transformer_options=dict(transformer_options), **kwargs)
             if out.device.type == "meta":  # no values to run a backward on
                 return
             torch.autograd.grad(out.float().square().mean(), list(params), allow_unused=True)
@@ -157,7 +127,7 @@ def check_training_backward(
             if "modified by an inplace operation" not in str(error):
                 raise
             raise RuntimeError(
-                f"{_cannot_train()}: a step of its Flux forward modifies, in place, a tensor "
+                f"{_cannot_train()}: a step of its {family.title} forward modifies, in place, a tensor "
                 "the backward needs, so gradients would be wrong (with gradient checkpointing, "
                 "silently). Nothing was trained. "
                 f"Please report it with your ComfyUI version. ({str(error).splitlines()[0]})"

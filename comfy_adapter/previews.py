@@ -18,7 +18,7 @@ from PIL import Image
 from ..trainer_core.names import preview_name
 from ..trainer_core.validation import evaluating
 from .comfy_loading import as_the_executor_loads
-from .flux_blocks import comfy_training_mode
+from .trainable_blocks import comfy_training_mode
 
 PREVIEW_FOLDER = "kontext_trainer_previews"
 

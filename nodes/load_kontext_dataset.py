@@ -41,8 +41,10 @@ class LoadKontextDataset(io.ComfyNode):
             description="Loads targets, reference images and captions from a folder (two folder "
             "structures, see the README), validates them, and caches VAE latents and text embeddings.",
             inputs=[
-                io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
-                io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),
+                io.Vae.Input("vae", tooltip="The trained model's VAE; latents are cached per image and VAE."),
+                io.Clip.Input(
+                    "clip", tooltip="The trained model's text encoder; embeddings are cached per caption."
+                ),
                 *dataset_widgets(),
             ],
             outputs=[

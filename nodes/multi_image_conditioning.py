@@ -1,9 +1,9 @@
 """MultiImageConditioning: reference images -> conditioning (+ a MODEL that uses our ids).
 
 The same conditioning drives a stock KSampler and TrainLoRA. The MODEL output is a clone whose
-Flux image ids come from `trainer_core.position_ids` for every layout (see reference_ids.py);
-for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is required. The model's
-family (FLUX.1 or FLUX.2) comes from the MODEL itself; a layout that does not fit it, or a
+image ids come from `trainer_core.position_ids` for every layout (the family's
+`with_reference_ids`); for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is
+required. The model's family comes from the MODEL itself; a layout that does not fit it, or a
 MODEL of another kind, is refused here rather than failing mid-sampling.
 """
 
@@ -14,22 +14,22 @@ import torch
 from comfy_api.latest import io
 
 from ..application.node_ids import node_id
+from ..comfy_adapter.families import layouts_by_family, trained_models
 from ..comfy_adapter.model_family import check_layout_fits
-from ..comfy_adapter.reference_ids import with_reference_ids
 from ..trainer_core.position_ids import LAYOUTS, check_layout
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
 
 MAX_REFERENCES = 4
 
 LAYOUT_TOOLTIP = (
-    "Where the reference tokens sit in Flux's position grid. offset: ComfyUI's Kontext default "
-    "(all references index 1, packed side by side). index: reference i gets index i+1. uxo: "
-    "UXO/USO style, diagonal after the target. dreamomni2: index i+1 and columns shifted by the "
-    "widths of the earlier references (DreamOmni2). With one reference, offset, index and "
-    "dreamomni2 are identical (plain Kontext). Train and sample with the same layout. FLUX.2: "
-    "index is its own default (steps of 10); offset and uxo work too; dreamomni2 is FLUX.1 only; "
-    "index_timestep_zero (ComfyUI 0.33+, FLUX.2 only): index ids, and the references are "
-    "modulated as at timestep 0 (ComfyUI's Edit Model Reference Method)."
+    "Where the reference tokens sit in the model's position grid. offset: ComfyUI's Kontext "
+    "default (all references index 1, packed side by side). index: reference i gets index i+1 "
+    "(in the model's index steps). uxo: UXO/USO style, diagonal after the target. dreamomni2: "
+    "index i+1 and columns shifted by the widths of the earlier references (DreamOmni2). "
+    "index_timestep_zero (ComfyUI 0.33+): index ids, and the references are modulated as at "
+    "timestep 0 (ComfyUI's Edit Model Reference Method). With one reference, offset, index and "
+    "dreamomni2 are identical (plain Kontext). Train and sample with the same layout. "
+    f"{layouts_by_family()}"
 )
 
 
@@ -81,17 +81,17 @@ class MultiImageConditioning(io.ComfyNode):
             node_id=node_id("MultiImageConditioning"),
             display_name="MultiImageConditioning",
             category="Kontext Trainer",
-            description="Adds 1 to 4 reference images to a conditioning for Flux Kontext / DreamOmni2, "
-            "with a chosen position layout, for sampling and for TrainLoRA.",
+            description="Adds 1 to 4 reference images to a conditioning, with a chosen position "
+            f"layout, for sampling and for TrainLoRA ({trained_models()}; Kontext, DreamOmni2).",
             inputs=[
                 io.Model.Input(
                     "model",
-                    tooltip="The FLUX.1 Kontext or FLUX.2 MODEL; a clone comes out, the input is untouched.",
+                    tooltip=f"The MODEL ({trained_models()}); a clone comes out, the input is untouched.",
                 ),
                 io.Conditioning.Input(
                     "conditioning", tooltip="The prompt conditioning (e.g. from CLIPTextEncode)."
                 ),
-                io.Vae.Input("vae", tooltip="The Flux VAE that encodes the references."),
+                io.Vae.Input("vae", tooltip="The MODEL's VAE, which encodes the references."),
                 io.Combo.Input("layout", options=list(LAYOUTS), default="offset", tooltip=LAYOUT_TOOLTIP),
                 io.Int.Input(
                     "reference_resolution",
@@ -109,7 +109,7 @@ class MultiImageConditioning(io.ComfyNode):
             outputs=[
                 io.Model.Output(
                     display_name="MODEL",
-                    tooltip="Use this MODEL to sample: it feeds Flux the "
+                    tooltip="Use this MODEL to sample: it feeds the model the "
                     "layout's position ids (required for dreamomni2).",
                 ),
                 io.Conditioning.Output(display_name="CONDITIONING"),
@@ -130,10 +130,11 @@ class MultiImageConditioning(io.ComfyNode):
         image_4=None,
     ) -> io.NodeOutput:
         check_layout(layout)
-        check_layout_fits(model, layout, "MultiImageConditioning's model")
+        family = check_layout_fits(model, layout, "MultiImageConditioning's model")
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")
         check_batch_sizes(images)
         latents = encode_references(vae, images, reference_resolution)
-        return io.NodeOutput(with_reference_ids(model), attach_references(conditioning, latents, layout))
+        conditioning = attach_references(conditioning, latents, layout)
+        return io.NodeOutput(family.with_reference_ids(model), conditioning)

@@ -53,7 +53,8 @@ class PreviewSampler(io.ComfyNode):
                     min=0.0,
                     max=100.0,
                     step=0.1,
-                    tooltip="Flux guidance-embedding value for distilled models (dev / Kontext).",
+                    tooltip="Guidance-embedding value, for models distilled with one (dev / Kontext); "
+                    "models without a guidance embedding ignore it.",
                 ),
                 io.Int.Input("width", default=1024, min=64, max=4096, step=16),
                 io.Int.Input("height", default=1024, min=64, max=4096, step=16),

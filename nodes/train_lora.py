@@ -24,6 +24,7 @@ from ..application.run_policy import (
     start_choices,
 )
 from ..application.run_service import RunRequest, prepare
+from ..comfy_adapter.families import trained_models
 from ..trainer_core.config import AFTER_OVERWRITE, AFTER_START_FROM, ORIGINAL, TrainConfig
 from ..trainer_core.job import Progress
 from ..trainer_core.names import lora_stem
@@ -127,8 +128,9 @@ class TrainLoRA(io.ComfyNode):
             node_id=node_id("TrainLoRA"),
             display_name="TrainLoRA",
             category="Kontext Trainer",
-            description="Trains a LoRA for FLUX.1 / Kontext / DreamOmni2 on the MODEL in a background "
-            "thread; Cancel stops at a step boundary and writes a checkpoint to resume from.",
+            description=f"Trains a LoRA for {trained_models()} (with references: Kontext, DreamOmni2) "
+            "on the MODEL in a background thread; Cancel stops at a step boundary and writes a "
+            "checkpoint to resume from.",
             is_output_node=True,
             not_idempotent=True,
             hidden=[io.Hidden.unique_id, io.Hidden.prompt, io.Hidden.extra_pnginfo],

@@ -37,7 +37,7 @@ if [[ ! -f "$COMFY_033/main.py" ]]; then
 fi
 KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
     PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
-    run_pytest 0.33 tests/test_layers.py tests/nodes tests/e2e tests/gpu "$@"
+    run_pytest 0.33 tests/test_layers.py tests/families tests/nodes tests/e2e tests/gpu "$@"
 second=$?
 echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
 [[ $first -eq 0 && $second -eq 0 ]]

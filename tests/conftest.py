@@ -1,5 +1,5 @@
-"""Shared fixtures. Layers are marked by folder: tests/nodes -> `nodes`, tests/e2e -> `e2e`,
-tests/gpu -> `gpu`.
+"""Shared fixtures. Layers are marked by folder: tests/nodes and tests/families -> `nodes`,
+tests/e2e -> `e2e`, tests/gpu -> `gpu`.
 
 `tests/trainer_core` never touches ComfyUI; the fixtures that boot it are only used by the
 other two layers.
@@ -17,8 +17,9 @@ TESTS_DIR = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).parts
-        if parts[0] in ("nodes", "e2e", "gpu"):
-            item.add_marker(getattr(pytest.mark, parts[0]))
+        layer = {"families": "nodes"}.get(parts[0], parts[0])
+        if layer in ("nodes", "e2e", "gpu"):
+            item.add_marker(getattr(pytest.mark, layer))
 
 
 @pytest.fixture(scope="session")
@@ -31,7 +32,7 @@ def comfy_runtime(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def pack(comfy_runtime):
-    """The pack's package exactly as ComfyUI imported it (e.g. `pack.comfy_adapter.reference_ids`)."""
+    """The pack's package exactly as ComfyUI imported it (e.g. `pack.comfy_adapter.model_family`)."""
     return comfy_runtime.pack_module
 
 

@@ -1,9 +1,8 @@
 """Block swapping: the frozen weights of N transformer blocks live on an offload device (CPU)
 and visit the compute device only while their block runs.
 
-Which blocks: single blocks first (a Flux single block is about 0.42 of a double block, so
-swapping them costs less transfer per byte saved), taken from the end of the single stack,
-then double blocks from the end of theirs (`choose_swapped`).
+Which blocks: the first N of an order the model's family gives (`first_swapped`); blocks are
+numbered in execution order.
 
 When: the block forwards call `before(i)` and `after(i)`. `before` makes block i resident
 (waiting for its prefetch if one is in flight) and starts prefetching the next swapped block
@@ -42,18 +41,14 @@ import torch
 TransferHook = Callable[[str, int], None]  # ("in" | "out", block index)
 
 
-def choose_swapped(double_count: int, single_count: int, blocks_to_swap: int) -> list[int]:
-    """Indices into the execution order [double_0 .. double_{D-1}, single_0 .. single_{S-1}]."""
+def first_swapped(order: Sequence[int], blocks_to_swap: int) -> list[int]:
+    """The first `blocks_to_swap` block indices of `order` (every block, the one to swap first
+    first), sorted."""
     if blocks_to_swap < 0:
         raise ValueError("blocks_to_swap cannot be negative")
-    limit = double_count + single_count
-    if blocks_to_swap > limit:
-        raise ValueError(f"blocks_to_swap is {blocks_to_swap} but the model has only {limit} blocks")
-    singles = min(blocks_to_swap, single_count)
-    doubles = blocks_to_swap - singles
-    chosen = [double_count + single_count - 1 - i for i in range(singles)]
-    chosen += [double_count - 1 - i for i in range(doubles)]
-    return sorted(chosen)
+    if blocks_to_swap > len(order):
+        raise ValueError(f"blocks_to_swap is {blocks_to_swap} but the model has only {len(order)} blocks")
+    return sorted(order[:blocks_to_swap])
 
 
 def in_backward() -> bool:

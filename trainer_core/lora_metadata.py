@@ -30,13 +30,10 @@ from .config import TrainConfig
 from .lora_file import LoraModule, save_atomic, to_state_dict
 from .optimizers import optimizer_spec
 
-NETWORK_MODULE = "networks.lora_flux"  # sd-scripts' Flux LoRA module
 MODELSPEC_VERSION = "1.0.1"  # what sd-scripts writes
-FLUX_IMPLEMENTATION = "https://github.com/black-forest-labs/flux"
-# ss_base_model_version and modelspec.architecture come from the model's family (`ModelNames`). The
-# model spec has no Kontext architecture (sd-scripts labels every FLUX.1 dev-family LoRA
-# flux-1-dev, and Kontext has FLUX.1 dev's weights and shapes): ours says which one in
-# kontext_trainer.base_model.
+# What names the base model (ss_base_model_version, ss_model_type, ss_network_module,
+# modelspec.architecture and .implementation) comes from the model's family (`ModelNames`); which
+# model of the family it is, ours says in kontext_trainer.base_model.
 
 _HASH_BLOCK = 1 << 20  # sd-scripts hashes the data section in 1 MiB reads
 _LEGACY_OFFSET, _LEGACY_LENGTH = 0x100000, 0x10000
@@ -48,6 +45,9 @@ class ModelNames:
 
     base_model_version: str  # sd-scripts' ss_base_model_version
     architecture: str  # modelspec.architecture
+    model_type: str  # sd-scripts' ss_model_type
+    network_module: str  # sd-scripts' ss_network_module: the LoRA module its scripts use
+    implementation: str  # modelspec.implementation: where the model's reference code lives
 
 
 @dataclass(frozen=True)
@@ -109,7 +109,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_total_batch_size": str(samples_per_step),
         "ss_gradient_accumulation_steps": str(config.gradient_accumulation),
         "ss_gradient_checkpointing": str(config.gradient_checkpointing),
-        "ss_network_module": NETWORK_MODULE,
+        "ss_network_module": family.network_module,
         "ss_network_dim": str(config.rank),
         "ss_network_alpha": str(config.alpha),
         "ss_network_dropout": str(config.dropout),
@@ -120,7 +120,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_caption_dropout_rate": str(config.caption_dropout),
         "ss_ip_noise_gamma": str(config.ip_noise_gamma),
         "ss_fp8_base": str(config.fp8_mode == "fp8_scaled" or fp8_base(facts.base_weights)),
-        "ss_model_type": "flux",
+        "ss_model_type": family.model_type,
         "ss_guidance_scale": str(config.guidance),
         "ss_timestep_sampling": str(config.timestep_sampler),
         "ss_sigmoid_scale": str(config.sigmoid_scale),
@@ -133,7 +133,7 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     spec = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
         "modelspec.architecture": family.architecture,
-        "modelspec.implementation": FLUX_IMPLEMENTATION,
+        "modelspec.implementation": family.implementation,
         "modelspec.implementation_version": f"kontext-trainer/{__version__}",
         "modelspec.title": facts.output_name,
         "modelspec.resolution": f"{facts.resolution}x{facts.resolution}",

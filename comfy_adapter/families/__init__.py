@@ -1,17 +1,23 @@
-"""The model families the pack trains, in one registry keyed by what ComfyUI's own detection
-records for a checkpoint (`unet_config["image_model"]`), as ComfyUI's `supported_models` are.
+"""The model families the pack trains: one `ModelFamily` per family, in one registry keyed by
+what ComfyUI's own detection records for a checkpoint (`unet_config["image_model"]`), as
+ComfyUI's `supported_models` are.
 
-A family is one `ModelFamily` entry, registered by its own module (`flux.py` registers FLUX.1
-and FLUX.2). User-facing text names a family by its entry's `title`; "the pack trains ..." is
-built from the registry. What a family changes in the training code itself (its blocks, ids,
-guard probes, `predict`) is still read from ComfyUI's Flux in the adapter's Flux modules
-(ARCHITECTURE.md: the next step of the seam).
+A family lives in its own folder here (`flux/` registers FLUX.1 and FLUX.2) and is a subclass
+of `ModelFamily` whose instances carry the family's facts (the fields) and whose methods say
+what training does differently for it (the protocol below). Everything else, the run, the
+LoRA layers, the loss, checkpoints, casts and loading, is the same for every family and reads
+nothing of a family's model but through these methods. User-facing text names a family by its
+`title`; "the pack trains ..." is built from the registry.
+
+Adding a family: a folder with a subclass that implements the methods marked "required", and
+`register(...)` of its instances in the folder's `__init__`, imported by `_all_named` below.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+import torch
 
 from ...trainer_core.lora_metadata import ModelNames
 
@@ -25,21 +31,71 @@ class ModelFamily:
     names: ModelNames  # what a LoRA's metadata calls the base model
     text_encoder: str  # what LoadKontextDataset's CLIP should be, for messages
     base_models: tuple[str, str]  # ours (kontext_trainer.base_model): without / with references
-    # (diffusion model) -> the name of a model that shares this image_model but is not trained
-    # (its text ids, layers or text encoder differ), or None
-    variant: Callable[[object], str | None] = field(default=lambda diffusion_model: None, compare=False)
 
     def base_model(self, references: int) -> str:
         """Which model the LoRA is for."""
         return self.base_models[bool(references)]
 
-    def check_layout(self, layout: str) -> str:
+    def check_layout(self, layout: str, diffusion_model=None) -> str:
+        """The layout, if it fits the family (and, given the model, this ComfyUI runs it)."""
         if layout not in self.layouts:
             raise ValueError(
                 f"layout {layout!r} does not fit a {self.title} model; choose one of "
                 f"{', '.join(self.layouts)} ({self.layouts[0]} is its default)"
             )
         return layout
+
+    # -- the protocol: what training reads of a family's model ----------------------------
+    def variant(self, diffusion_model) -> str | None:
+        """The name of a model that shares this `image_model` but is not trained (its text ids,
+        layers or text encoder differ), or None."""
+        return None
+
+    def check_sample(self, diffusion_model, sample) -> None:
+        """Required. Raise ValueError naming the fix if a cached dataset sample (latent channels,
+        caption width) was not encoded for this model."""
+        raise NotImplementedError
+
+    def token_grid(self, diffusion_model):
+        """Required. The `trainer_core.position_ids.TokenGrid`: patch size, RoPE axes, index step."""
+        raise NotImplementedError
+
+    def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:
+        """Required. The layers among the model's Linear layers that a target preset adapts."""
+        raise NotImplementedError
+
+    def blocks(self, diffusion_model) -> list[torch.nn.Module]:
+        """Required. The transformer blocks in execution order (the block indices below)."""
+        raise NotImplementedError
+
+    def swap_order(self, diffusion_model) -> list[int]:
+        """The blocks block swap takes, first one first (default: from the last block back)."""
+        return list(range(len(self.blocks(diffusion_model))))[::-1]
+
+    def install_blocks(self, patcher, checkpointing: bool, swapper=None):
+        """Required. Register a `trainable_blocks.TrainableBlock` patch for every block on the
+        training clone `patcher` (and any hooks on the shared modules); return the function
+        that removes the hooks."""
+        raise NotImplementedError
+
+    def with_reference_ids(self, model):
+        """A clone of the MODEL that samples and trains with the pack's reference ids (default:
+        a plain clone, for a family whose ComfyUI ids the pack uses as they are)."""
+        return model.clone()
+
+    def probe(self, diffusion_model, device, dtype, layout: str | None) -> tuple[tuple, dict]:
+        """Required. `(args, kwargs)` of a small seeded call of the model's forward (with one
+        reference in `layout`, if given), for the guard (`forward_guard`)."""
+        raise NotImplementedError
+
+    def predict(self, session, batch, sigma, context, pooled) -> torch.Tensor:
+        """Required. (B, L, D) velocity for every token of a `TokenBatch`, computed with the
+        session's clone (`session.patcher`) as sampling calls the model."""
+        raise NotImplementedError
+
+    def vram_estimate(self, diffusion_model, dataset, config):
+        """Required. The `trainer_core.vram.Estimate` of a run, shown before training starts."""
+        raise NotImplementedError
 
 
 FAMILIES: dict[str, ModelFamily] = {}
@@ -56,6 +112,12 @@ def trained_models() -> str:
     return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 
 
+def layouts_by_family() -> str:
+    """Which layouts fit which family, for the layout widget's tooltip."""
+    fits = [f"{f.title}: {', '.join(f.layouts)} ({f.layouts[0]} is its default)." for f in _all()]
+    return " ".join(fits)
+
+
 def family_named(image_model: str | None, what: str = "this MODEL") -> ModelFamily:
     """The family ComfyUI detected, or a clear refusal for a model the pack does not train."""
     family = _all_named().get(image_model or "")
@@ -68,12 +130,12 @@ def family_named(image_model: str | None, what: str = "this MODEL") -> ModelFami
     return family
 
 
-def refuse_variant(variant: str | None, what: str = "this MODEL") -> None:
+def refuse_variant(family: ModelFamily, variant: str | None, what: str = "this MODEL") -> None:
     if variant is not None:
         raise ValueError(
-            f"{what} is {variant}, which ComfyUI runs with its Flux code; Kontext Trainer trains "
-            f"{trained_models()} only (its text ids, layers or text encoder differ, and training it "
-            "is not proven). Load one of those with the stock loaders"
+            f"{what} is {variant}, which ComfyUI runs with its {family.title} code; Kontext Trainer "
+            f"trains {trained_models()} only (its text ids, layers or text encoder differ, and "
+            "training it is not proven). Load one of those with the stock loaders"
         )
 
 

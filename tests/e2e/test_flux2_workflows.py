@@ -181,7 +181,7 @@ def test_timestep_zero_references_train_and_sample_or_are_refused_by_version(ser
         error = messages[-1]
         assert error["type"] == "execution_error", error
         assert (
-            f"layout 'index_timestep_zero' needs ComfyUI 0.33 or newer (its Flux feeds the "
+            f"layout 'index_timestep_zero' needs ComfyUI 0.33 or newer (its FLUX.2 feeds the "
             f"references at timestep 0); this ComfyUI is {version}"
         ) in error["data"]["exception_message"]
         assert not (server.base_dir / "models" / "loras" / "flux2_timestep_zero.safetensors").exists()

@@ -1,6 +1,6 @@
 """The pack's former out-of-place copy of ComfyUI 0.3.75's Flux block forwards, kept only as a
 test reference: `tests/nodes/test_flux_training.py` proves that training ComfyUI's own blocks
-(`comfy_adapter/flux_blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
+(`comfy_adapter/families/flux/blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
 block's own submodules and ComfyUI's own `attention` in the block's order, with every residual
 added out of place. They read `flipped_img_txt`, which ComfyUI 0.33's blocks no longer have:
 the reason the pack no longer copies model code. `install_copied_blocks` runs them inside the
@@ -98,9 +98,9 @@ class _CopiedSingle:
 
 
 def install_copied_blocks(flux_blocks, patcher, checkpointing: bool, swapper=None):
-    """The pack's block patches (`flux_blocks`: its module as ComfyUI loaded the pack) running
+    """The pack's Flux block patches (`flux_blocks`: its module as ComfyUI loaded the pack) running
     this copy instead of ComfyUI's blocks, without the norm pre-hooks the copy does not need;
-    returns a no-op remover, like `install_trainable_blocks`."""
+    returns a no-op remover, like `FluxFamily.install_blocks`."""
     diffusion_model = patcher.model.diffusion_model
     doubles = len(diffusion_model.double_blocks)
     for i, block in enumerate(diffusion_model.double_blocks):

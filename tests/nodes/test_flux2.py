@@ -60,7 +60,7 @@ def captured_ids(diffusion_model):
 def test_comfyui_detects_the_tiny_model_as_flux2(flux2, pack):
     family = pack.comfy_adapter.model_family
     assert family.family_of(flux2).title == "FLUX.2"
-    grid = family.token_grid(flux2.model.diffusion_model)  # the pack's own TokenGrid class
+    grid = family.family_of(flux2).token_grid(flux2.model.diffusion_model)  # the pack's own TokenGrid class
     assert (grid.patch_size, grid.axes, grid.ref_index_scale) == (1, 4, 10.0)
     assert type(flux2.model).__name__ == "Flux2" and flux2.model.diffusion_model.params.global_modulation
 
@@ -83,9 +83,9 @@ def test_ids_and_output_equal_comfyuis_own_flux2_forward(flux2, pack, layout, co
     assert torch.equal(theirs[0], ours)
 
     batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout, FLUX2_GRID)
-    tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
-        flux, batch, inputs["timestep"], inputs["context"], None, inputs["guidance"]
-    )
+    tokens = importlib.import_module(
+        f"{pack.__name__}.comfy_adapter.families.flux.reference_ids"
+    ).forward_token_batch(flux, batch, inputs["timestep"], inputs["context"], None, inputs["guidance"])
     (got,) = batch.target_latents(tokens)
     assert (got - expected[0]).abs().max() <= 1e-6
 
@@ -101,7 +101,9 @@ def test_mixed_size_flux2_batch_matches_each_sample_alone(flux2, pack):
         [s["x"][0] for s in singles], [[r[0] for r in s["refs"]] for s in singles], "index", FLUX2_GRID
     )
     assert not batch.valid.all(), "the samples must really differ in length"
-    tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
+    tokens = importlib.import_module(
+        f"{pack.__name__}.comfy_adapter.families.flux.reference_ids"
+    ).forward_token_batch(
         flux,
         batch,
         torch.full((3,), 0.6),
@@ -233,7 +235,7 @@ def test_models_that_share_a_familys_image_model_are_refused_by_name(pack, condi
     from types import SimpleNamespace
 
     model = VARIANTS[name]()
-    message = rf"is {re.escape(name)}, which ComfyUI runs with its Flux code; Kontext Trainer trains"
+    message = rf"is {re.escape(name)}, which ComfyUI runs with its FLUX\.\d code; Kontext Trainer trains"
     layout = "index" if "FLUX.2" in name else "offset"
     with pytest.raises(ValueError, match=message):
         multi_image(pack, model, conditioning, layout, image(64, 64))
@@ -243,4 +245,6 @@ def test_models_that_share_a_familys_image_model_are_refused_by_name(pack, condi
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.trainable_blocks").comfy_training_mode(
+        True
+    )

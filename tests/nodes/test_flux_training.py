@@ -39,10 +39,10 @@ def comfy_forward(model, x, refs, context, y, sigma=0.6):
 
 def test_the_trainable_blocks_reproduce_comfyui_blocks_exactly(ft, pack):
     """ComfyUI's own blocks through the block patches and norm pre-hooks: bit-equal outputs."""
-    flux_blocks = importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks")
+    flux_blocks = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.flux.blocks")
     model = tiny_flux_patcher(seed=3)
     patched = model.clone()
-    remove = flux_blocks.install_trainable_blocks(patched, checkpointing=False)
+    remove = flux_blocks.install(patched, checkpointing=False)
     gen = torch.Generator().manual_seed(0)
     x, ref = torch.randn(2, 16, 8, 8, generator=gen), torch.randn(2, 16, 6, 8, generator=gen)
     context, y = torch.randn(2, 5, 48, generator=gen), torch.randn(2, 32, generator=gen)
@@ -60,17 +60,18 @@ def session_gradients(ft, model, samples, checkpointing: bool, copied: bool = Fa
     from kt_testing import copied_blocks
 
     config = ft.TrainConfig(rank=2, alpha=2.0, targets="all_linear", gradient_checkpointing=checkpointing)
-    install = ft.install_trainable_blocks
+    flux = importlib.import_module(ft.__name__.rsplit(".", 1)[0] + ".families.flux")
+    install = flux.FluxFamily.install_blocks
     if copied:
-        flux_blocks = importlib.import_module(ft.__name__.rsplit(".", 1)[0] + ".flux_blocks")
-        ft.install_trainable_blocks = functools.partial(copied_blocks.install_copied_blocks, flux_blocks)
+        copied_install = functools.partial(copied_blocks.install_copied_blocks, flux.blocks)
+        flux.FluxFamily.install_blocks = lambda family, *args, **kwargs: copied_install(*args, **kwargs)
     try:
         with ft.lora_session(model, config) as session:
             randomise_lora(session, seed=seed)
             loss = _loss(session, samples)
             return loss.detach(), torch.autograd.grad(loss, session.lora.parameters())
     finally:
-        ft.install_trainable_blocks = install
+        flux.FluxFamily.install_blocks = install
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -158,7 +159,7 @@ def test_an_in_place_change_comfyui_might_add_stops_the_run_before_any_step(
         monkeypatch.setattr(ft, "check_training_backward", real)
         message = (
             rf"cannot train on this ComfyUI \({re.escape(comfyui_version.__version__)}\): a step "
-            r"of its Flux forward modifies, in place, a tensor the backward needs"
+            r"of its FLUX.1 forward modifies, in place, a tensor the backward needs"
         )
         with pytest.raises(RuntimeError, match=message):
             with ft.lora_session(model, config):
@@ -370,4 +371,6 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.trainable_blocks").comfy_training_mode(
+        True
+    )

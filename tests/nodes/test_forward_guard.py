@@ -19,7 +19,8 @@ def mods(pack):
     names = {
         "ft": "comfy_adapter.lora_session",
         "guard": "comfy_adapter.forward_guard",
-        "blocks": "comfy_adapter.flux_blocks",
+        "blocks": "comfy_adapter.families.flux.blocks",
+        "flux": "comfy_adapter.families.flux",
     }
     return type("Mods", (), {k: importlib.import_module(f"{pack.__name__}.{v}") for k, v in names.items()})
 
@@ -41,7 +42,7 @@ def test_the_paths_agree_within_the_tolerance(mods, pack, case, dtype):
 
     family, layout = CASES[case]
     patcher = TINY_FAMILIES[family].patcher(seed=4, dtype=dtype)
-    if layout == "index_timestep_zero" and not pack.comfy_adapter.model_family.comfy_runs_timestep_zero(
+    if layout == "index_timestep_zero" and not mods.flux.comfy_runs_timestep_zero(
         patcher.model.diffusion_model
     ):
         pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
@@ -143,9 +144,7 @@ def test_the_probe_carries_a_reference_in_the_runs_layout(mods, pack, monkeypatc
     would) computes the same without references but not with them, and the run is refused."""
     from kt_testing.tiny_models import tiny_flux2_patcher
 
-    if not pack.comfy_adapter.model_family.comfy_runs_timestep_zero(
-        tiny_flux2_patcher(seed=4).model.diffusion_model
-    ):
+    if not mods.flux.comfy_runs_timestep_zero(tiny_flux2_patcher(seed=4).model.diffusion_model):
         pytest.skip("this ComfyUI has no timestep-zero references (0.33+)")
     monkeypatch.setattr(mods.blocks, "call_time_kwargs", lambda extra: {})
     for layout in ("index", "index_timestep_zero"):

@@ -39,6 +39,11 @@ from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
 from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata, write_lora
 from trainer_core.lora_targets import target_module_names
 
+# FLUX.1's names (comfy_adapter/families/flux)
+FLUX1_NAMES = ModelNames(
+    "flux1", "flux-1-dev/lora", "flux", "networks.lora_flux", "https://github.com/black-forest-labs/flux"
+)
+
 # FLUX.1's width (diffusers' kohya converter needs it), the least depth; context 48 / pooled 32
 # as the tiny CLIP makes them (ComfyUI's Flux uses the first vec_in_dim pooled values).
 FLUX_3072_CONFIG = {**DEMO_FLUX_CONFIG, "vec_in_dim": 32, "context_in_dim": 48}
@@ -274,9 +279,7 @@ def random_modules(flux_base: FluxBase, alpha: float, seed: int, targets=None) -
 
 def write_file(path: Path, modules, precision: str, alpha: float) -> Path:
     config = TrainConfig(rank=RANK, alpha=alpha, save_precision=precision)
-    facts = RunFacts(
-        path.stem, "flux1_kontext", 1024, 4, 4, "cafe", 1.7e9, 1, ModelNames("flux1", "flux-1-dev/lora")
-    )
+    facts = RunFacts(path.stem, "flux1_kontext", 1024, 4, 4, "cafe", 1.7e9, 1, FLUX1_NAMES)
     return write_lora(path, modules, training_metadata(config, facts, 10), SAVE_PRECISIONS[precision], 1.7e9)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 
@@ -62,9 +64,9 @@ def test_native_layouts_equal_comfyuis_ids_and_output(flux, pack, layout, count)
     assert torch.equal(comfy_ids[0], ours)
 
     batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout)
-    tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
-        flux, batch, inputs["timestep"], inputs["context"], inputs["y"], inputs["guidance"]
-    )
+    tokens = importlib.import_module(
+        f"{pack.__name__}.comfy_adapter.families.flux.reference_ids"
+    ).forward_token_batch(flux, batch, inputs["timestep"], inputs["context"], inputs["y"], inputs["guidance"])
     (ours_out,) = batch.target_latents(tokens)
     assert (ours_out - expected_out[0]).abs().max() <= 1e-6
 
@@ -86,7 +88,9 @@ def test_mixed_size_batch_matches_each_sample_alone(flux, pack, layout):
             pad_value=pad_value,
         )
         assert not batch.valid.all(), "the samples must really differ in length"
-        tokens = pack.comfy_adapter.reference_ids.forward_token_batch(
+        tokens = importlib.import_module(
+            f"{pack.__name__}.comfy_adapter.families.flux.reference_ids"
+        ).forward_token_batch(
             flux,
             batch,
             torch.full((3,), 0.6),

@@ -52,7 +52,9 @@ def on_033(comfy_runtime):
 
 
 def comfy_training_mode(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.flux_blocks").comfy_training_mode(True)
+    return importlib.import_module(f"{pack.__name__}.comfy_adapter.trainable_blocks").comfy_training_mode(
+        True
+    )
 
 
 def image(height, width, seed=0):
@@ -120,9 +122,7 @@ def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft,
         )
         kwargs = {name: cond.cond for name, cond in conds.items()}
         with torch.no_grad(), comfy_training_mode(pack):
-            denoised = model.model.apply_model(
-                sample.target[None], s, ref_latents_method=LAYOUT, **kwargs
-            )
+            denoised = model.model.apply_model(sample.target[None], s, ref_latents_method=LAYOUT, **kwargs)
         velocity = (sample.target[None] - denoised) / s
         return velocity.flatten(2).transpose(1, 2)[0]  # 1x1 patches: a token per latent pixel
 

@@ -277,8 +277,8 @@ def test_load_kontext_dataset_widgets_are_the_hand_written_ones(pack_import):
     node = pack_import("nodes.load_kontext_dataset")
     use_path = "(absolute path below)"
     before = [
-        io.Vae.Input("vae", tooltip="The Flux VAE; latents are cached per image and VAE."),
-        io.Clip.Input("clip", tooltip="The Flux text encoder; embeddings are cached per caption."),
+        io.Vae.Input("vae", tooltip="The trained model's VAE; latents are cached per image and VAE."),
+        io.Clip.Input("clip", tooltip="The trained model's text encoder; embeddings are cached per caption."),
         io.Combo.Input(
             "folder",
             options=[use_path, *folder_paths.get_input_subfolders()],

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_core.block_swap import BlockSwapper, choose_swapped
+from trainer_core.block_swap import BlockSwapper, first_swapped
 
 
-def test_single_blocks_are_chosen_first_from_the_end():
-    # execution order: doubles 0, 1 then singles 2, 3, 4
-    assert choose_swapped(2, 3, 0) == []
-    assert choose_swapped(2, 3, 2) == [3, 4]
-    assert choose_swapped(2, 3, 3) == [2, 3, 4]
-    assert choose_swapped(2, 3, 4) == [1, 2, 3, 4]
-    assert choose_swapped(2, 3, 5) == [0, 1, 2, 3, 4]
+def test_the_first_blocks_of_the_familys_order_are_swapped():
+    order = [4, 3, 2, 1, 0]  # the family's order: the last block first
+    assert first_swapped(order, 0) == []
+    assert first_swapped(order, 2) == [3, 4]
+    assert first_swapped([2, 0, 1], 2) == [0, 2]
     with pytest.raises(ValueError, match="only 5 blocks"):
-        choose_swapped(2, 3, 6)
+        first_swapped(order, 6)
+    with pytest.raises(ValueError, match="cannot be negative"):
+        first_swapped(order, -1)
 
 
 def blocks(count):

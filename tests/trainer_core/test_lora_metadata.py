@@ -28,7 +28,9 @@ FACTS = RunFacts(
     dataset_hash="abc123",
     started_at=STARTED,
     session_id=77,
-    names=ModelNames("flux1", "flux-1-dev/lora"),  # FLUX.1's (comfy_adapter/families/flux.py)
+    names=ModelNames(
+        "flux1", "flux-1-dev/lora", "flux", "networks.lora_flux", "https://github.com/black-forest-labs/flux"
+    ),  # FLUX.1 (comfy_adapter/families/flux)
 )
 
 INTEGERS = [

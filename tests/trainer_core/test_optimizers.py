@@ -15,6 +15,11 @@ from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata
 from trainer_core.optimizers import OPTIMIZERS
 from trainer_core.vram import estimate_vram
 
+# FLUX.1's names (comfy_adapter/families/flux)
+FLUX1_NAMES = ModelNames(
+    "flux1", "flux-1-dev/lora", "flux", "networks.lora_flux", "https://github.com/black-forest-labs/flux"
+)
+
 
 def lora_pair(rank: int, n_in: int, n_out: int) -> list[torch.nn.Parameter]:
     """A LoRA's down (rank x in) and up (out x rank) matrices, fp32."""
@@ -43,7 +48,7 @@ def test_the_factory_builds_the_class_the_metadata_names(name):
     module, _, cls = OPTIMIZERS[name].class_path.rpartition(".")
     assert type(optimizer) is getattr(importlib.import_module(module), cls)
     assert optimizer.defaults["lr"] == 3e-4 and optimizer.defaults["weight_decay"] == 0.02
-    facts = RunFacts("x", "flux1_dev", 512, 1, 1, "abc", 0.0, 1, ModelNames("flux1", "flux-1-dev/lora"))
+    facts = RunFacts("x", "flux1_dev", 512, 1, 1, "abc", 0.0, 1, FLUX1_NAMES)
     metadata = training_metadata(config, facts, steps=1)
     assert metadata["ss_optimizer"] == f"{OPTIMIZERS[name].class_path}(weight_decay=0.02)"
 

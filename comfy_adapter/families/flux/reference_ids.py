@@ -1,4 +1,4 @@
-"""Adapter between ComfyUI's Flux and `trainer_core.position_ids`.
+"""The pack's reference ids in ComfyUI's Flux (`trainer_core.position_ids`).
 
 `with_reference_ids(model)` returns a clone of a MODEL whose Flux image ids always come from
 our one implementation, for every layout, at inference (stock KSampler) and in training:
@@ -21,11 +21,16 @@ from __future__ import annotations
 
 import torch
 
-from ..trainer_core.position_ids import check_layout, image_position_ids, text_position_ids
-from ..trainer_core.token_batch import TokenBatch, attention_bias
-from .model_family import token_grid
+from ....trainer_core.position_ids import TokenGrid, check_layout, image_position_ids, text_position_ids
+from ....trainer_core.token_batch import TokenBatch, attention_bias
 
 WRAPPER_KEY = "kontext_trainer.reference_ids"
+
+
+def token_grid(diffusion_model) -> TokenGrid:
+    """The patch size, RoPE axes and index step of ComfyUI's Flux (`FluxParams`)."""
+    params = diffusion_model.params
+    return TokenGrid(params.patch_size, len(params.axes_dim), float(params.ref_index_scale))
 
 
 def _layout_of(diffusion_model, kwargs) -> str:

@@ -1,0 +1,265 @@
+"""The Flux families: FLUX.1 (dev, Kontext; `image_model` "flux") and FLUX.2 [dev] ("flux2").
+
+Both run the same `comfy/ldm/flux/model.py` class, so one `FluxFamily` serves both; what differs
+for training comes from the model's `FluxParams` (patch size, RoPE axes, the index layout's step,
+guidance, widths) and from the two entries (the reference layouts that fit, the names a LoRA
+file's metadata gives the base model). `blocks.py`: the block patches; `reference_ids.py`: the
+reference ids and the padded mixed-size batch.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+
+from ....trainer_core.lora_metadata import ModelNames
+from ....trainer_core.lora_targets import target_module_names
+from ....trainer_core.position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS, TokenGrid
+from ....trainer_core.token_batch import TokenBatch, pack_latent
+from ....trainer_core.vram import FluxShape, estimate_vram
+from ...comfy_quantized import stored_weight_bytes
+from .. import ModelFamily, register
+from . import blocks, reference_ids
+
+# Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
+# their text ids, layers or text encoder differ, and training them is not proven. Told apart by
+# what ComfyUI's detection reads from the weights (comfy/model_detection.py, 0.33).
+FLUX2_KLEIN_CONTEXT = {7680: "FLUX.2 [klein] 4B", 12288: "FLUX.2 [klein] 9B"}  # Qwen3 4B / 8B, 3 layers
+
+
+def unsupported_variant(
+    image_model: str | None,
+    context_in_dim: int,
+    vec_in_dim: int | None,
+    yak_mlp: bool = False,
+    txt_ids_dims: tuple[int, ...] | list[int] = (),
+) -> str | None:
+    """The name of a model that shares a Flux family's `image_model` but is not trained by the
+    pack; None for FLUX.1 / FLUX.2 [dev]."""
+    if image_model == "flux":
+        if yak_mlp:
+            return "Ovis-Image"
+        if context_in_dim == 3584 and vec_in_dim is None:
+            return "LongCat-Image"
+        if txt_ids_dims:
+            return f"a Flux-architecture model with text position ids on axes {list(txt_ids_dims)}"
+    if image_model == "flux2":
+        return FLUX2_KLEIN_CONTEXT.get(context_in_dim)
+    return None
+
+
+def comfy_runs_timestep_zero(diffusion_model) -> bool:
+    """True where this ComfyUI's Flux can feed the references at timestep 0 (0.33 and later:
+    `forward_orig` takes `timestep_zero_index`)."""
+    forward_orig = getattr(type(diffusion_model), "forward_orig", None)
+    return forward_orig is not None and "timestep_zero_index" in inspect.signature(forward_orig).parameters
+
+
+# ss_model_type, ss_network_module (sd-scripts' Flux LoRA module), modelspec.implementation
+SD_SCRIPTS_FLUX = ("flux", "networks.lora_flux", "https://github.com/black-forest-labs/flux")
+
+
+def _compute_dtype(base_model) -> torch.dtype:
+    return base_model.manual_cast_dtype or base_model.get_dtype()
+
+
+@dataclass(frozen=True)
+class FluxFamily(ModelFamily):
+    def variant(self, diffusion_model) -> str | None:
+        params = diffusion_model.params
+        return unsupported_variant(
+            self.image_model,
+            params.context_in_dim,
+            params.vec_in_dim,
+            yak_mlp=getattr(params, "yak_mlp", False),
+            txt_ids_dims=tuple(getattr(params, "txt_ids_dims", None) or ()),
+        )
+
+    def check_layout(self, layout: str, diffusion_model=None) -> str:
+        """Also: a timestep-zero layout needs a ComfyUI that runs it (an older one would
+        silently take an unknown method name for `offset`)."""
+        super().check_layout(layout)
+        if (
+            diffusion_model is not None
+            and layout in TIMESTEP_ZERO_LAYOUTS
+            and not comfy_runs_timestep_zero(diffusion_model)
+        ):
+            from ...forward_guard import comfyui_version
+
+            raise ValueError(
+                f"layout {layout!r} needs ComfyUI 0.33 or newer (its {self.title} feeds the "
+                f"references at timestep 0); this ComfyUI is {comfyui_version()}. Update ComfyUI, "
+                f"or choose {self.layouts[0]}"
+            )
+        return layout
+
+    def check_sample(self, diffusion_model, sample) -> None:
+        params = diffusion_model.params
+        channels, width = sample.target.shape[0], sample.context.shape[-1]
+        if channels != params.in_channels:
+            raise ValueError(
+                f"the dataset's latents have {channels} channels but this {self.title} MODEL takes "
+                f"{params.in_channels}: give LoadKontextDataset the {self.title} VAE"
+            )
+        if width != params.context_in_dim:
+            raise ValueError(
+                f"the dataset's caption embeddings are {width} wide but this {self.title} MODEL "
+                f"takes {params.context_in_dim}: give LoadKontextDataset the {self.text_encoder}"
+            )
+        if params.vec_in_dim and sample.pooled.numel() < params.vec_in_dim:  # it reads the first ones
+            raise ValueError(
+                f"this {self.title} MODEL needs a pooled text embedding of {params.vec_in_dim} "
+                f"values and the dataset's text encoder gave {sample.pooled.numel()}: give "
+                f"LoadKontextDataset the {self.text_encoder}"
+            )
+
+    def token_grid(self, diffusion_model) -> TokenGrid:
+        return reference_ids.token_grid(diffusion_model)
+
+    def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:
+        return target_module_names(linear_names, preset)
+
+    def blocks(self, diffusion_model) -> list[torch.nn.Module]:
+        return [*diffusion_model.double_blocks, *diffusion_model.single_blocks]
+
+    def swap_order(self, diffusion_model) -> list[int]:
+        """Single blocks first (one costs about 0.42 of a double block: less transfer per byte
+        saved), from the end of their stack, then double blocks from the end of theirs."""
+        doubles, singles = len(diffusion_model.double_blocks), len(diffusion_model.single_blocks)
+        return [*range(doubles + singles - 1, doubles - 1, -1), *range(doubles - 1, -1, -1)]
+
+    def install_blocks(self, patcher, checkpointing: bool, swapper=None):
+        return blocks.install(patcher, checkpointing, swapper, self.title)
+
+    def with_reference_ids(self, model):
+        return reference_ids.with_reference_ids(model)
+
+    def probe(self, diffusion_model, device, dtype, layout: str | None) -> tuple[tuple, dict]:
+        """A 2 x 2 token target with 4 text tokens, seeded, in the model's compute dtype; with a
+        `layout`, also one 2 x 2 token reference in that layout."""
+        params = diffusion_model.params
+        gen = torch.Generator().manual_seed(0)
+        side = 2 * params.patch_size
+        inputs = {
+            "x": torch.randn(1, params.in_channels, side, side, generator=gen),
+            "context": torch.randn(1, 4, params.context_in_dim, generator=gen),
+            "y": torch.randn(1, params.vec_in_dim, generator=gen) if params.vec_in_dim else None,
+            "guidance": torch.ones(1) if params.guidance_embed else None,
+        }
+        inputs = {k: v.to(device, dtype) if v is not None else None for k, v in inputs.items()}
+        if layout is not None:
+            reference = torch.randn(1, params.in_channels, side, side, generator=gen)
+            inputs["ref_latents"] = [reference.to(device, dtype)]
+            inputs["ref_latents_method"] = layout
+        x = inputs.pop("x")
+        return (x, torch.full((1,), 0.5, device=device)), inputs
+
+    def predict(self, session, batch: TokenBatch, sigma, context, pooled) -> torch.Tensor:
+        """For a batch whose samples share their sizes, exactly the call `BaseModel._apply_model`
+        makes (ComfyUI's Flux `forward` with `ref_latents` and `ref_latents_method`, through its
+        wrappers and patches; inputs cast the same way); a padded mixed-size batch goes through
+        `forward_orig` with per-sample ids and an attention mask. With timestep-zero references
+        (ComfyUI 0.33's `index_timestep_zero`) every sample gets ComfyUI's own call alone."""
+        config, patcher = session.config, session.patcher
+        if config.layout in TIMESTEP_ZERO_LAYOUTS and batch.tokens.shape[0] > 1:
+            return self._predict_one_by_one(session, batch, sigma, context, pooled)
+        diffusion_model = patcher.model.diffusion_model
+        dtype, device = _compute_dtype(patcher.model), patcher.load_device
+        tokens = batch.tokens.to(device, dtype)
+        timestep = sigma.to(device, torch.float32)
+        context = context.to(device, dtype)
+        pooled = pooled.to(device, dtype)
+        guidance = None
+        if diffusion_model.params.guidance_embed:
+            guidance = torch.full((tokens.shape[0],), config.guidance, device=device, dtype=dtype)
+        options = session.transformer_options()
+        if not batch.is_uniform():
+            moved = TokenBatch(
+                tokens,
+                batch.ids.to(device),
+                batch.valid.to(device),
+                batch.target.to(device),
+                batch.target_sizes,
+                batch.grid,
+                batch.reference_sizes,
+            )
+            return reference_ids.forward_token_batch(
+                diffusion_model, moved, timestep, context, pooled, guidance, options
+            )
+        x, references = batch.split_latents(tokens)
+        out = diffusion_model(
+            x,
+            timestep,
+            context=context,
+            y=pooled,
+            guidance=guidance,
+            ref_latents=references or None,
+            control=None,
+            transformer_options=options,
+            ref_latents_method=config.layout,
+        )
+        packed = pack_latent(out, batch.grid.patch_size)
+        rest = tokens.shape[1] - packed.shape[1]
+        return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
+
+    def _predict_one_by_one(self, session, batch: TokenBatch, sigma, context, pooled) -> torch.Tensor:
+        """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
+        timestep batch for them, which a batch of several meets with one guidance value per
+        sample and fails, and it takes one reference range for the whole batch, which padded
+        samples do not share. Each sample gets exactly ComfyUI's own call."""
+        rows = [
+            self.predict(session, batch.sample(i), sigma[i : i + 1], context[i : i + 1], pooled[i : i + 1])
+            for i in range(batch.tokens.shape[0])
+        ]
+        length = batch.tokens.shape[1]
+        return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
+
+    def vram_estimate(self, diffusion_model, dataset, config):
+        itemsize = stored_weight_bytes(diffusion_model.double_blocks[0].img_attn.qkv)  # a quantized file: fp8
+        loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
+        return estimate_vram(
+            FluxShape.of(diffusion_model.params),
+            resolution=dataset.settings.resolution,
+            references=dataset.reference_count,
+            batch=config.batch_size,
+            rank=config.rank,
+            weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
+            base_format=loaded,
+            blocks_to_swap=config.blocks_to_swap,
+            gradient_checkpointing=config.gradient_checkpointing,
+            optimizer=config.optimizer,
+        )
+
+
+FLUX1 = register(
+    FluxFamily(
+        image_model="flux",
+        title="FLUX.1",
+        trains="FLUX.1 (dev, Kontext)",
+        # not index_timestep_zero: ComfyUI (0.33) runs it only with FLUX.2's model-wide
+        # modulation; FLUX.1's per-block modulation fails on the doubled timestep batch
+        layouts=tuple(layout for layout in LAYOUTS if layout not in TIMESTEP_ZERO_LAYOUTS),
+        # sd-scripts' names for every FLUX.1 model (Kontext has FLUX.1 dev's weights and shapes)
+        # (the model spec has no Kontext architecture: Kontext has FLUX.1 dev's weights and shapes)
+        names=ModelNames("flux1", "flux-1-dev/lora", *SD_SCRIPTS_FLUX),
+        text_encoder="CLIP-L + T5-XXL (DualCLIPLoader, type flux)",
+        base_models=("flux1_dev", "flux1_kontext"),
+    )
+)
+FLUX2 = register(
+    FluxFamily(
+        image_model="flux2",
+        title="FLUX.2",
+        trains="FLUX.2 [dev]",
+        # ComfyUI computes offset / index / uxo for FLUX.2 exactly as for FLUX.1 (index is its
+        # default, with steps of 10). DreamOmni2's ids were learnt by a FLUX.1 Kontext model.
+        # index_timestep_zero (ComfyUI 0.33+): index ids, references modulated at timestep 0.
+        layouts=("index", "offset", "uxo", "index_timestep_zero"),
+        # musubi-tuner's model-spec name for FLUX.2 [dev]
+        names=ModelNames("flux2", "Flux.2-dev/lora", *SD_SCRIPTS_FLUX),
+        text_encoder="Mistral-3 (CLIPLoader, type flux2)",
+        base_models=("flux2_dev", "flux2_dev"),  # natively multi-reference: one model either way
+    )
+)
