@@ -146,7 +146,8 @@ class TrainingRun:
             raise ValueError("the dataset has no training samples (all held out?)")
         if self.writes:
             remove_stale_partials(paths)
-        self.resume = resume = load_checkpoint(run.resume) if run.resume is not None else None
+        layers = linear_names(self.model.model.diffusion_model)
+        self.resume = resume = load_checkpoint(run.resume, layers) if run.resume is not None else None
         seeded = seed_lora(run.start_from, self.model, config) if run.start_from else None
         self.initial = resume.lora if resume else seeded
         if resume is not None and (note := schedule_note(resume.config, resume.step, config)):

@@ -40,11 +40,13 @@ def fp8_scaled_note(fp8_bytes: int) -> str:
     )
 
 
-def fp8_scaled_bytes(diffusion_model) -> int:
-    """The size of fp8_scaled's e4m3 block weights (one byte per value) for this model."""
+def fp8_scaled_bytes(model) -> int:
+    """The size of fp8_scaled's e4m3 block weights (one byte per value) for this MODEL."""
     from ..trainer_core.fp8_rows import scaled_layer_names
+    from .model_family import family_of
 
-    names = scaled_layer_names(diffusion_model)
+    diffusion_model = model.model.diffusion_model
+    names = scaled_layer_names(diffusion_model, family_of(model).fp8_layers)
     return sum(diffusion_model.get_submodule(name).weight.numel() for name in names)
 
 
@@ -57,5 +59,5 @@ def dynamic_vram_notes(model, blocks_to_swap: int, fp8_mode: str = "as_loaded") 
     if blocks_to_swap:
         notes.append(block_swap_note(blocks_to_swap))
     if fp8_mode == "fp8_scaled":
-        notes.append(fp8_scaled_note(fp8_scaled_bytes(model.model.diffusion_model)))
+        notes.append(fp8_scaled_note(fp8_scaled_bytes(model)))
     return notes

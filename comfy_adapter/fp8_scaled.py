@@ -33,10 +33,10 @@ NONE = object()
 
 
 @contextlib.contextmanager
-def fp8_scaled_weights(patcher):
-    """Give the block linears of `patcher` (the training clone, not yet loaded) scaled e4m3
-    weights inside the `with` block; on exit ComfyUI unloads the clone and the originals
-    return."""
+def fp8_scaled_weights(patcher, family):
+    """Give the block linears of `patcher` (the training clone, not yet loaded) that its family
+    names (`ModelFamily.fp8_layers`) scaled e4m3 weights inside the `with` block; on exit
+    ComfyUI unloads the clone and the originals return."""
     from comfy.model_patcher import LowVramPatch
 
     from .comfy_loading import unload_through_comfyui
@@ -46,7 +46,7 @@ def fp8_scaled_weights(patcher):
     compute = patcher.load_device
     swapped = []
     try:
-        for name in scaled_layer_names(diffusion_model):
+        for name in scaled_layer_names(diffusion_model, family.fp8_layers):
             layer = diffusion_model.get_submodule(name)
             key = f"diffusion_model.{name}.weight"
             original = layer.weight

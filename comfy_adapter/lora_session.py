@@ -207,7 +207,7 @@ def lora_session(
         check_quantized_model(model, config.fp8_mode)
         clone = family.with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies
-            undo.enter_context(fp8_scaled_weights(clone))
+            undo.enter_context(fp8_scaled_weights(clone, family))
         if config.fp8_mode == "fp8_backward":  # ComfyUI's QuantLinearFunc reads it per forward
             undo.enter_context(fp8_backward(True))
         if is_dynamic(clone):  # a dirty load: no cast view cached by earlier sampling is reused

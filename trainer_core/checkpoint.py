@@ -20,6 +20,7 @@ import os
 import re
 import shutil
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,8 +133,9 @@ def _ordinary(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {key: value.clone() if value.is_inference() else value for key, value in tensors.items()}
 
 
-def load_checkpoint(path: Path) -> Checkpoint:
-    """Everything a resume needs, as ordinary tensors whatever mode the caller is in."""
+def load_checkpoint(path: Path, module_names: Sequence[str] = ()) -> Checkpoint:
+    """Everything a resume needs, as ordinary tensors whatever mode the caller is in.
+    `module_names`: the model's Linear layers, whose kohya names the LoRA file holds."""
     path = Path(path)
     state = read_state(path)
     lora_tensors, _ = load(path / "lora.safetensors")
@@ -144,7 +146,7 @@ def load_checkpoint(path: Path) -> Checkpoint:
         int(state["step"]),
         [float(x) for x in state["losses"]],
         state["config"],
-        from_state_dict(_ordinary(lora_tensors)),
+        from_state_dict(_ordinary(lora_tensors), module_names),
         _unflatten_optimizer(_ordinary(optimizer_tensors), state["optimizer"]),
         _ordinary(rng),
         [(int(s), float(v)) for s, v in state.get("validation", [])],

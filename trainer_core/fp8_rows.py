@@ -6,15 +6,15 @@
 2) quantise: weight / scale, rounded to e4m3 (round to nearest even);
 3) dequantise: values (cast to the compute dtype) * scale.
 
-Which layers are stored this way is `scaled_layer_names`: the block attention and MLP linears;
-modulation, embeddings, norms and the final layer stay as loaded.
+Which layers are stored this way is `scaled_layer_names`: the block attention and MLP linears
+the model's family names; modulation, embeddings, norms and the final layer stay as loaded.
 """
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Callable
 
-from .lora_targets import target_module_names
+import torch
 
 E4M3 = torch.float8_e4m3fn
 E4M3_MAX = torch.finfo(E4M3).max  # 448
@@ -48,13 +48,16 @@ class ScaleRows:
         return dequantize_rows(weight, self.scale)
 
 
-def scaled_layer_names(diffusion_model: torch.nn.Module) -> list[str]:
-    """The block linears that get fp8 weights: attention and MLP (single blocks' fused ones),
-    in the model's order; a LoRA-wrapped layer counts once, under its own name."""
+def scaled_layer_names(
+    diffusion_model: torch.nn.Module, select: Callable[[list[str]], list[str]]
+) -> list[str]:
+    """The block linears that get fp8 weights, in the model's order: those `select` (the model
+    family's choice: its blocks' attention and MLP linears) takes among the model's Linear
+    layers; a LoRA-wrapped layer counts once, under its own name."""
     # peft shows a wrapped layer's Linear as `<name>.base_layer`
     names = [
         n.removesuffix(".base_layer")
         for n, m in diffusion_model.named_modules()
         if isinstance(m, torch.nn.Linear)
     ]
-    return target_module_names(list(dict.fromkeys(names)), "attention_mlp")
+    return select(list(dict.fromkeys(names)))

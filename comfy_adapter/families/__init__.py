@@ -64,6 +64,10 @@ class ModelFamily:
         """Required. The layers among the model's Linear layers that a target preset adapts."""
         raise NotImplementedError
 
+    def fp8_layers(self, linear_names: list[str]) -> list[str]:
+        """The layers fp8_scaled stores as scaled e4m3: its blocks' attention and MLP linears."""
+        return self.lora_targets(linear_names, "attention_mlp")
+
     def blocks(self, diffusion_model) -> list[torch.nn.Module]:
         """Required. The transformer blocks in execution order (the block indices below)."""
         raise NotImplementedError

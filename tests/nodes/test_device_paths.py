@@ -249,7 +249,8 @@ def test_fp8_scaled_quantises_before_comfyui_loads(mods, pack_import):
 
     model = base_model("fp32", True)
     flux = model.model.diffusion_model
-    scaled = pack_import("trainer_core.fp8_rows").scaled_layer_names(flux)
+    family = pack_import("comfy_adapter.model_family").family_of(model)
+    scaled = pack_import("trainer_core.fp8_rows").scaled_layer_names(flux, family.fp8_layers)
     expected = mm.module_size(model.model) - sum(3 * flux.get_submodule(n).weight.numel() for n in scaled)
     config = mods.ft.TrainConfig(rank=2, alpha=2.0, fp8_mode="fp8_scaled", seed=2)
     with mods.ft.lora_session(model, config) as session:

@@ -4,6 +4,8 @@ layers that get this storage."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from trainer_core.fp8_rows import (
@@ -14,6 +16,7 @@ from trainer_core.fp8_rows import (
     row_scales,
     scaled_layer_names,
 )
+from trainer_core.lora_targets import target_module_names
 
 
 def test_each_rows_largest_magnitude_maps_to_448():
@@ -110,7 +113,8 @@ def test_scaled_layers_are_the_block_attention_and_mlp_linears():
     flux.single_blocks = torch.nn.ModuleList([_Block(["linear1", "linear2", "modulation.lin"])])
     flux.final_layer = _Block(["linear"])
     flux.double_blocks[0].img_attn.qkv = _LoraWrapped()  # counted once, by its own name
-    assert scaled_layer_names(flux) == [
+    attention_mlp = partial(target_module_names, preset="attention_mlp")  # FLUX's choice
+    assert scaled_layer_names(flux, attention_mlp) == [
         "double_blocks.0.img_attn.qkv",
         "double_blocks.0.img_attn.proj",
         "double_blocks.0.img_mlp.0",

@@ -4,7 +4,8 @@ The dummy Qwen-shaped model (`__init__.py`: `transformer_blocks`, no `.params`, 
 `forward_orig`, its own block signature) is registered with the pack's family registry, and
 nothing else of the pack is edited. Then LoadKontextDataset and TrainLoRA run in ComfyUI's
 executor (inference mode, as the server runs them) for one step, with the forward guard (both
-probes), gradient checkpointing and block swap, and the LoRA lands in models/loras.
+probes), gradient checkpointing and block swap, and the LoRA lands in models/loras; a resumed
+run continues it exactly.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ def registered(pack):
     del families.FAMILIES[IMAGE_MODEL]
 
 
-def train(pack, dataset, name: str, **overrides):
+def train(pack, dataset, name: str, resume_from: str = "none", **overrides):
     config = pack.trainer_core.config.TrainConfig
     settings = {f.name: f.default for f in dataclasses.fields(config)}
     settings.update(steps=1, rank=2, alpha=2.0, learning_rate=1e-2, layout="index", targets="attention_mlp")
@@ -54,7 +55,7 @@ def train(pack, dataset, name: str, **overrides):
         "dataset": dataset,
         "lora_name": name,
         "overwrite": False,
-        "resume_from": "none",
+        "resume_from": resume_from,
         **settings,
     }
     return run_node("KontextTrainer_TrainLoRA", inputs, node_id="5")
@@ -118,3 +119,30 @@ def test_a_family_in_its_own_folder_trains_one_step_with_guard_checkpointing_and
     assert any(up.abs().sum() > 0 for up in ups)  # the one step trained (up starts at zero)
     assert metadata["ss_base_model_version"] == "qwen_like_test"
     assert metadata["kontext_trainer.base_model"] == "qwen_like_test_edit"
+
+
+def test_a_resumed_run_of_the_family_continues_exactly(pack, dataset, registered):
+    """Its checkpoint's LoRA (kohya names of its own layers) reads back into its layers, and
+    the resumed run's losses are the uninterrupted run's, with checkpointing and block swap."""
+    node = pack.nodes.train_lora
+    common = {"steps": 3, "save_every": 1, "seed": 4}
+    uninterrupted = train(pack, dataset, "qwen_like_full", **common).ui["loss"]
+    choices = [c for c in node.resume_choices() if c.startswith("qwen_like_full/")]
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000001", "step_000002", "step_000003"]
+    resumed = train(pack, dataset, "qwen_like_resumed", resume_from=choices[0], **common).ui["loss"]
+    assert len(uninterrupted) == 3 and resumed == uninterrupted
+
+
+def test_fp8_scaled_stores_the_layers_the_family_names(pack, dataset, registered, monkeypatch):
+    family_type, chosen = type(registered), []
+    real = family_type.fp8_layers
+
+    def fp8_layers(family, names):
+        chosen.append(real(family, names))
+        return chosen[-1]
+
+    monkeypatch.setattr(family_type, "fp8_layers", fp8_layers)
+    (loss,) = train(pack, dataset, "qwen_like_fp8", fp8_mode="fp8_scaled").ui["loss"]
+    assert math.isfinite(loss)
+    layers = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.0", "img_mlp.2")
+    assert chosen[0] == [f"transformer_blocks.{i}.{layer}" for i in range(CONFIG["depth"]) for layer in layers]
