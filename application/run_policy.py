@@ -1,7 +1,8 @@
 """Where a run's files go, and the policy on files that exist: the LoRA folder, the checkpoint
-folder, the resume_from and start_from_lora choices (and the checkpoints versions before 0.2
-left among the LoRAs), and when an existing LoRA or snapshot may be replaced. The TrainLoRA node
-and the headless CLI both use it, so a run finds and protects its files the same way in both.
+folder, the resume_from and start_from_lora choices (and the checkpoints the pack wrote among
+the LoRAs before 5263cc3, see CHANGELOG.md), and when an existing LoRA or snapshot may be
+replaced. The TrainLoRA node and the headless CLI both use it, so a run finds and protects its
+files the same way in both.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from ..trainer_core.run_files import LoraPaths, snapshot_steps
 NO_RESUME = "none"
 NO_START = "none"
 CHECKPOINTS_FOLDER = "kontext_trainer_checkpoints"  # under ComfyUI's output folder
-LEGACY = "models/loras/"  # resume_from prefix of checkpoints where versions before 0.2 kept them
+LEGACY = "models/loras/"  # resume_from prefix of checkpoints kept among the LoRAs (before 5263cc3)
 LOGGER = logging.getLogger("kontext_trainer")
 
 

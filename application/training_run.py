@@ -86,7 +86,7 @@ def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
     names = linear_names(diffusion_model)
     modules = dict(diffusion_model.named_modules())
     shapes = {name: (modules[name].out_features, modules[name].in_features) for name in names}
-    return read_seed_lora(path, names, config.rank, shapes)
+    return read_seed_lora(path, names, config.rank, shapes, family_of(model).diffusers_places(names))
 
 
 class SampleCache:

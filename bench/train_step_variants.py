@@ -201,7 +201,7 @@ def run_bare(model, inputs: Inputs, args) -> Trained:
     trainable_blocks = _pack("comfy_adapter.trainable_blocks")
     flux_blocks = _pack("comfy_adapter.families.flux.blocks")
     lora_adapters = _pack("trainer_core.lora_adapters")
-    lora_targets = _pack("trainer_core.lora_targets")
+    lora_targets = _pack("comfy_adapter.families.flux.lora_targets")
     # ComfyUI's training mode (0.33: the eager RoPE, which has a backward), as ours trains
     with torch.inference_mode(False), trainable_blocks.comfy_training_mode(True):
         torch.manual_seed(0)

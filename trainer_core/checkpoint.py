@@ -133,7 +133,7 @@ def _ordinary(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {key: value.clone() if value.is_inference() else value for key, value in tensors.items()}
 
 
-def load_checkpoint(path: Path, module_names: Sequence[str] = ()) -> Checkpoint:
+def load_checkpoint(path: Path, module_names: Sequence[str]) -> Checkpoint:
     """Everything a resume needs, as ordinary tensors whatever mode the caller is in.
     `module_names`: the model's Linear layers, whose kohya names the LoRA file holds."""
     path = Path(path)

@@ -55,9 +55,10 @@ def scaled_layer_names(
     family's choice: its blocks' attention and MLP linears) takes among the model's Linear
     layers; a LoRA-wrapped layer counts once, under its own name."""
     # peft shows a wrapped layer's Linear as `<name>.base_layer`
+    # and its factors as `<name>.lora_A.<adapter>` / `.lora_B.`: not layers of the model
     names = [
         n.removesuffix(".base_layer")
         for n, m in diffusion_model.named_modules()
-        if isinstance(m, torch.nn.Linear)
+        if isinstance(m, torch.nn.Linear) and not {"lora_A", "lora_B"} & set(n.split("."))
     ]
     return select(list(dict.fromkeys(names)))

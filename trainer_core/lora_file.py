@@ -1,12 +1,13 @@
-"""LoRA files: kohya's Flux keys, which every Flux tool reads; atomic writes.
+"""LoRA files: kohya's keys, which every tool reads; atomic writes.
 
-A layer's LoRA is three tensors under kohya's name for it (sd-scripts `networks/lora_flux.py`,
-see `flux_lora_names.kohya_name`): `lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`
-(rank x in), `.lora_up.weight` (out x rank) and `.alpha` (a float32 scalar, whatever the save
-precision: the scale alpha / rank stays exact). The applied change is
-W + strength * (alpha / rank) * up @ down in ComfyUI's stock loaders (`model_lora_keys_unet`
-maps `lora_unet_*` to the Flux weight), in diffusers (`load_lora_weights` converts kohya Flux
-files, splitting the fused q/k/v), in Forge and in kohya-format readers.
+A layer's LoRA is three tensors under kohya's name for it (`kohya_name`: sd-scripts' LoRA
+networks name a layer `lora_unet_` and its module path with `_` for `.`, e.g.
+`lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight`): `.lora_down.weight` (rank x in),
+`.lora_up.weight` (out x rank) and `.alpha` (a float32 scalar, whatever the save precision: the
+scale alpha / rank stays exact). The applied change is W + strength * (alpha / rank) * up @ down
+in ComfyUI's stock loaders (`model_lora_keys_unet` maps `lora_unet_*` to the model's weight), in
+diffusers (`load_lora_weights` converts kohya files), in Forge and in kohya-format readers.
+Underscores make the name ambiguous, so reading one back needs the model's layer names.
 
 Files written by earlier versions (`diffusion_model.<module>.lora_A.weight` / `.lora_B.weight`
 / `.alpha`) still read here and in ComfyUI.
@@ -24,7 +25,6 @@ from safetensors.torch import save_file
 
 from .atomic import write_atomic
 from .choices import SavePrecision, choose
-from .flux_lora_names import flux_name_from_kohya, kohya_name
 
 # save_precision -> the dtype of the lora_down / lora_up tensors (alpha stays float32)
 SAVE_PRECISIONS = {
@@ -33,6 +33,13 @@ SAVE_PRECISIONS = {
     SavePrecision.FP32: torch.float32,
 }
 KEY_PREFIX = "diffusion_model."  # the earlier versions' keys
+KOHYA_PREFIX = "lora_unet_"
+
+
+def kohya_name(module_name: str) -> str:
+    """kohya's name for a layer of the diffusion model (`double_blocks.0.img_attn.qkv` ->
+    `lora_unet_double_blocks_0_img_attn_qkv`). ComfyUI, diffusers and Forge read it."""
+    return KOHYA_PREFIX + module_name.replace(".", "_")
 
 
 @dataclass
@@ -75,13 +82,11 @@ def to_state_dict(
 _PAIRS = ((".lora_A.weight", ".lora_B.weight"), (".lora_down.weight", ".lora_up.weight"))
 
 
-def from_state_dict(
-    state: Mapping[str, torch.Tensor], module_names: Sequence[str] = ()
-) -> dict[str, LoraModule]:
-    """LoRA modules from a state dict with kohya's names (what this pack writes; Flux.1's layers
-    decode without help, other models' need their `module_names`) or the earlier versions'
-    `diffusion_model.<module>.lora_A/B` (and its `lora_down/lora_up` variant). Tensors keep the
-    file's dtype. A missing alpha means alpha = rank, as ComfyUI assumes."""
+def from_state_dict(state: Mapping[str, torch.Tensor], module_names: Sequence[str]) -> dict[str, LoraModule]:
+    """LoRA modules from a state dict with kohya's names of the model's layers `module_names`
+    (what this pack writes) or the earlier versions' `diffusion_model.<module>.lora_A/B` (and
+    its `lora_down/lora_up` variant). Tensors keep the file's dtype. A missing alpha means
+    alpha = rank, as ComfyUI assumes."""
     kohya = {kohya_name(name): name for name in module_names}
     modules = {}
     for key in state:
@@ -93,8 +98,6 @@ def from_state_dict(
                 name = stem[len(KEY_PREFIX) :]
             elif stem in kohya:
                 name = kohya[stem]
-            elif (decoded := flux_name_from_kohya(stem)) is not None:
-                name = decoded
             else:
                 continue
             up_key = stem + up_suffix

@@ -1,6 +1,6 @@
-"""Start a new run from an existing Flux LoRA file, whatever tool wrote it.
+"""Start a new run from an existing LoRA file for the model, whatever tool wrote it.
 
-`read_seed_lora` reads the key formats Flux LoRAs come in (safetensors only):
+`read_seed_lora` reads the key formats LoRAs come in (safetensors only):
 - kohya (sd-scripts), and ours: `lora_unet_<module with underscores>.lora_down.weight` /
   `.lora_up.weight` / `.alpha`;
 - ComfyUI, and this pack's earlier versions: `diffusion_model.<module>.lora_A.weight` /
@@ -9,14 +9,18 @@
 - diffusers, ai-toolkit, SimpleTuner: `transformer.<diffusers layer>.lora_A.weight` /
   `.lora_B.weight`, optionally `.alpha`; OneTrainer / lycoris: the diffusers layer with
   underscores after `lora_transformer_` / `lycoris_`;
-- peft's `base_model.model.` prefix on Flux names (fal's Kontext trainer) or diffusers names.
+- peft's `base_model.model.` prefix on the model's names (fal's Kontext trainer) or diffusers
+  names.
+
+Where a diffusers layer sits in the model is the model family's table (`places`: diffusers
+layer -> `Place`); a family without one reads the formats that use the model's own names.
 
 A missing alpha means alpha = rank (scale 1), as ComfyUI and diffusers assume, unless the file's
 metadata says otherwise (diffusers' `lora_adapter_metadata`: `transformer.lora_alpha`,
 `transformer.alpha_pattern`, `transformer.use_rslora`; ComfyUI's stock loader ignores it).
 
-diffusers layers that ComfyUI's Flux keeps fused (q, k, v -> `img_attn.qkv`, ...; see
-`flux_lora_names`) become one LoRA on the fused layer, exactly: lora_A stacks the parts' lora_A
+diffusers layers that ComfyUI's model keeps fused (Flux: q, k, v -> `img_attn.qkv`, ...) become
+one LoRA on the fused layer, exactly: lora_A stacks the parts' lora_A
 (rank = the sum of the parts' ranks), lora_B places each part's lora_B, times its own
 alpha / rank, in the part's rows and columns (block-diagonal), and alpha = rank, so
 (alpha / rank) * B @ A is the sum of the parts' deltas, each in its row slice; an absent part
@@ -34,7 +38,6 @@ from pathlib import Path
 
 import torch
 
-from .flux_lora_names import Place, diffusers_places, fused_parts
 from .lora_file import LoraModule, load
 
 # (lora_A suffix, lora_B suffix), as the stock loader reads them
@@ -43,15 +46,20 @@ _PAIRS = (
     (".lora_down.weight", ".lora_up.weight"),
     (".lora.down.weight", ".lora.up.weight"),
 )
-_FLUX_TOP = ("double_blocks", "single_blocks", "img_in", "txt_in", "time_in", "vector_in", "guidance_in")
-_FLUX_TOP += ("final_layer",)
 _UNDERSCORED = ("lora_unet_", "lora_transformer_", "lycoris_")
 _PEFT = "base_model.model."
-_EXAMPLES = (
-    "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight, "
-    "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight or "
-    "transformer.transformer_blocks.0.attn.to_q.lora_A.weight"
-)
+
+
+@dataclass(frozen=True)
+class Place:
+    """A diffusers layer's place in the model: the model's layer `target`; for a fused target
+    the index of its row slice (`part`, of `parts` in row order); `swap_halves` when the two
+    halves of the output rows come in the opposite order."""
+
+    target: str
+    part: int | None = None
+    swap_halves: bool = False
+    parts: int = 1
 
 
 @dataclass
@@ -68,10 +76,12 @@ def read_seed_lora(
     module_names: Sequence[str],
     rank: int,
     shapes: Mapping[str, tuple[int, int]] | None = None,
+    places: Mapping[str, Place] | None = None,
 ) -> dict[str, LoraModule]:
-    """The LoRA in the safetensors file `path` as `LoraModule`s (float32) on the Flux modules
+    """The LoRA in the safetensors file `path` as `LoraModule`s (float32) on the modules
     `module_names` (the model's Linear module names, e.g. `double_blocks.0.img_attn.qkv`), in
-    model order: the run's targets, with the file's weights, ranks and alphas.
+    model order: the run's targets, with the file's weights, ranks and alphas. `places`: the
+    model family's diffusers layer names (see the module docstring).
 
     Every LoRA layer of the file must have rank `rank` (the TrainLoRA widget). A fused module
     built from diffusers parts has rank = the sum of its parts' ranks (3 * rank for a qkv,
@@ -80,17 +90,17 @@ def read_seed_lora(
     `shapes` (module -> (out_features, in_features)), when given, is checked against every module.
 
     Raises ValueError, naming the file and what to do, when the file is not a readable
-    safetensors file, has no Flux transformer LoRA, names layers this model does not have,
+    safetensors file, has no LoRA for the model, names layers this model does not have,
     holds non-LoRA weights (LoKr, LoHa, DoRA, diffs), or its ranks or shapes do not fit.
     Keys of other components (text encoders) are ignored."""
     path = Path(path)
     state, metadata = _read(path)
-    flux_names = list(module_names)
-    pairs = _pairs(path, state, metadata, flux_names)
+    names = list(module_names)
+    pairs = _pairs(path, state, metadata, names, dict(places or {}))
     _check_ranks(path, pairs, rank)
     modules: dict[str, LoraModule] = {}
     for target, parts in _by_target(path, pairs).items():
-        if parts[0].place.part is not None:  # diffusers parts of a layer that Flux fuses
+        if parts[0].place.part is not None:  # diffusers parts of a layer the model fuses
             modules[target] = _fuse(path, target, parts, shapes)
         else:
             (pair,) = parts
@@ -99,7 +109,7 @@ def read_seed_lora(
     for target, module in modules.items():
         if shapes is not None and target in shapes:
             _check_shape(path, target, (module.up.shape[0], module.down.shape[1]), shapes[target])
-    order = {name: i for i, name in enumerate(flux_names)}
+    order = {name: i for i, name in enumerate(names)}
     return dict(sorted(modules.items(), key=lambda item: order[item[0]]))
 
 
@@ -126,19 +136,21 @@ def _split(key: str) -> tuple[str, str, str] | None:
     return None
 
 
-def _is_transformer_key(key: str) -> bool:
+def _is_transformer_key(key: str, tops: set[str]) -> bool:
     if key.startswith(("diffusion_model.", "transformer.", _PEFT, *_UNDERSCORED)):
         return True
-    return key.split(".", 1)[0] in _FLUX_TOP
+    return key.split(".", 1)[0] in tops  # the model's own names without a prefix
 
 
-def _place_of(stem: str, flux: set[str], kohya: dict[str, str], diffusers: dict[str, Place]) -> Place | None:
-    if stem.startswith(_PEFT):  # peft's own prefix, on Flux (fal's Kontext trainer) or diffusers names
+def _place_of(stem: str, ours: set[str], kohya: dict[str, str], diffusers: dict[str, Place]) -> Place | None:
+    if stem.startswith(
+        _PEFT
+    ):  # peft's own prefix, on the model's names (fal's Kontext trainer) or diffusers'
         stem = stem[len(_PEFT) :]
-        return Place(stem) if stem in flux else diffusers.get(stem)
+        return Place(stem) if stem in ours else diffusers.get(stem)
     if stem.startswith("diffusion_model."):
         name = stem[len("diffusion_model.") :]
-        return Place(name) if name in flux else None
+        return Place(name) if name in ours else None
     if stem.startswith("transformer."):
         return diffusers.get(stem[len("transformer.") :])
     for prefix in _UNDERSCORED:
@@ -147,17 +159,28 @@ def _place_of(stem: str, flux: set[str], kohya: dict[str, str], diffusers: dict[
             if rest in kohya:
                 return Place(kohya[rest])
             return next((p for name, p in diffusers.items() if name.replace(".", "_") == rest), None)
-    return Place(stem) if stem in flux else None
+    return Place(stem) if stem in ours else None
 
 
-def _pairs(path: Path, state, metadata, flux_names: list[str]) -> list[_Pair]:
-    flux = set(flux_names)
-    kohya = {name.replace(".", "_"): name for name in flux_names}
-    diffusers = diffusers_places(flux_names)
+def _examples(names: list[str], diffusers: dict[str, Place]) -> str:
+    """Key names this model's LoRA files have, for messages."""
+    first = next((n for n in names if re.search(r"\.\d+\.", n)), names[0] if names else "<layer>")
+    examples = [
+        f"diffusion_model.{first}.lora_A.weight",
+        f"lora_unet_{first.replace('.', '_')}.lora_down.weight",
+    ]
+    if diffusers:
+        examples.append(f"transformer.{next(iter(diffusers))}.lora_A.weight")
+    return ", ".join(examples[:-1]) + " or " + examples[-1]
+
+
+def _pairs(path: Path, state, metadata, names: list[str], diffusers: dict[str, Place]) -> list[_Pair]:
+    ours, tops = set(names), {name.split(".", 1)[0] for name in names}
+    kohya = {name.replace(".", "_"): name for name in names}
     peft_alpha = _peft_alphas(path, metadata)
     pairs, seen = [], []
     for key in sorted(state):
-        if not _is_transformer_key(key):
+        if not _is_transformer_key(key, tops):
             seen.append(key)
             continue
         split = _split(key)
@@ -178,10 +201,10 @@ def _pairs(path: Path, state, metadata, flux_names: list[str]) -> list[_Pair]:
             continue
         if stem + up_suffix not in state:
             raise ValueError(f"{path}: {key} has no matching {stem + up_suffix}; the file is incomplete")
-        place = _place_of(stem, flux, kohya, diffusers)
+        place = _place_of(stem, ours, kohya, diffusers)
         if place is None:
             raise ValueError(
-                f"{path}: {key} names a layer this Flux model does not have; the LoRA does not fit this "
+                f"{path}: {key} names a layer this model does not have; the LoRA does not fit this "
                 "model (it is for another model family, or for a model with more blocks): choose a LoRA "
                 "trained for this model"
             )
@@ -201,8 +224,8 @@ def _pairs(path: Path, state, metadata, flux_names: list[str]) -> list[_Pair]:
     if not pairs:
         few = ", ".join(seen[:5]) or "none"
         raise ValueError(
-            f"{path} has no Flux transformer LoRA weights (keys seen: {few}); choose a Flux LoRA file "
-            f"(keys like {_EXAMPLES})"
+            f"{path} has no LoRA weights for this model's diffusion model (keys seen: {few}); choose "
+            f"a LoRA file for it (keys like {_examples(names, diffusers)})"
         )
     return pairs
 
@@ -282,13 +305,13 @@ def _by_target(path: Path, pairs: list[_Pair]) -> dict[str, list[_Pair]]:
 
 def _fuse(path: Path, target: str, parts: list[_Pair], shapes) -> LoraModule:
     """One LoRA on the fused `target` from its diffusers parts (see the module docstring)."""
-    n_parts = len(fused_parts(target))
+    n_parts = parts[0].place.parts
     shape = shapes.get(target) if shapes is not None else None
     hidden = shape[1] if shape is not None else parts[0].down.shape[1]
-    sizes = [hidden] * 3
-    if n_parts == 4:  # linear1: q, k, v, then the MLP input (mlp_ratio 4 in every Flux)
-        mlp = next((p.up.shape[0] for p in parts if p.place.part == 3), 4 * hidden)
-        sizes.append(shape[0] - 3 * hidden if shape is not None else mlp)
+    # every part is `hidden` rows (q, k, v) but the last, which takes the layer's other rows
+    # (Flux's linear1: its MLP input); without the layer's shape, the last part's own rows
+    last = next((p.up.shape[0] for p in parts if p.place.part == n_parts - 1), hidden)
+    sizes = [hidden] * (n_parts - 1) + [shape[0] - (n_parts - 1) * hidden if shape is not None else last]
     rows = [sum(sizes[:i]) for i in range(n_parts)]
     parts = sorted(parts, key=lambda p: p.place.part)
     for pair in parts:

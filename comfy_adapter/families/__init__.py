@@ -64,6 +64,11 @@ class ModelFamily:
         """Required. The layers among the model's Linear layers that a target preset adapts."""
         raise NotImplementedError
 
+    def diffusers_places(self, linear_names: list[str]) -> dict:
+        """Where diffusers' layer names (the start LoRAs of diffusers, ai-toolkit, SimpleTuner)
+        sit in the model: diffusers layer -> `trainer_core.seed_lora.Place` (default: none)."""
+        return {}
+
     def fp8_layers(self, linear_names: list[str]) -> list[str]:
         """The layers fp8_scaled stores as scaled e4m3: its blocks' attention and MLP linears."""
         return self.lora_targets(linear_names, "attention_mlp")

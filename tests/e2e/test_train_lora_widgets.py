@@ -1,6 +1,7 @@
 """TrainLoRA's widgets in the real frontend: the essentials show, the rest wait behind the
-node's own "Show Advanced", and workflows saved by earlier versions (0.4, before the widgets
-added after `overwrite`; 0.5, before `save_precision`) load with every value where it was."""
+node's own "Show Advanced", and workflows saved before widgets were added (before 2bc8e02: the
+widgets added after `overwrite`; before 7255115: `save_precision`; CHANGELOG.md) load with every
+value where it was."""
 
 from __future__ import annotations
 
@@ -42,10 +43,19 @@ def load(page, server, workflow) -> dict:
     return page.evaluate(WIDGETS_JS, TRAIN)
 
 
-# (saved by version, the widgets it did not have yet)
+# (saved before commit, the widgets it did not have yet)
 SAVED_BEFORE = [
-    ("0_4", ("validate_every", "reference_dropout", "lr_floor", "start_from_lora", "save_precision")),
-    ("0_5", ("save_precision",)),
+    (
+        "before_2bc8e02",
+        (
+            "validate_every",
+            "reference_dropout",
+            "lr_floor",
+            "start_from_lora",
+            "save_precision",
+        ),
+    ),
+    ("before_7255115", ("save_precision",)),
 ]
 
 

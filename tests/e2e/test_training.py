@@ -103,7 +103,7 @@ def test_interrupt_stops_with_a_checkpoint_and_the_next_prompt_runs(server, data
     messages = run_and_interrupt(server, training_graph(dataset, "kt_e2e_cancel", steps=100_000), at_step=2)
     assert messages[-1]["type"] == "execution_interrupted", messages[-1]
     saved = all_checkpoints(checkpoints(server, "kt_e2e_cancel"))
-    assert len(saved) == 1 and load_checkpoint(saved[0]).step >= 2
+    assert len(saved) == 1 and load_checkpoint(saved[0], []).step >= 2
     assert progress_events(messages)[-1]["status"] == "cancelled"
     assert not (loras(server) / "kt_e2e_cancel.safetensors").exists()
     _, after = server.run_prompt(training_graph(dataset, "kt_e2e_after_cancel", steps=2))
@@ -117,7 +117,7 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(server, dataset):
     assert messages[-1]["type"] == "execution_error", messages[-1]
     assert "the loss became nan" in messages[-1]["data"]["exception_message"]
     for path in all_checkpoints(checkpoints(server, "kt_e2e_nan")):
-        checkpoint = load_checkpoint(path)
+        checkpoint = load_checkpoint(path, [])  # its steps and losses
         assert all(loss == loss for loss in checkpoint.losses)  # no NaN ever saved
     assert not (loras(server) / "kt_e2e_nan.safetensors").exists()
 
@@ -159,7 +159,7 @@ def test_a_kill_during_a_save_leaves_every_file_whole(tmp_path):
     assert lora.read_bytes() == previous
     assert load(lora)[0]  # still a valid safetensors file
     for path in all_checkpoints(saved):
-        load_checkpoint(path)  # every visible checkpoint is complete
+        load_checkpoint(path, [])  # every visible checkpoint is complete
 
     with ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS) as server:  # the next run tidies up
         _, again = server.run_prompt(training_graph(data, "kt_atomic", overwrite=True, steps=1))

@@ -86,6 +86,6 @@ def mods(pack_import):
         "config": "trainer_core.config",
         "checkpoint": "trainer_core.checkpoint",
         "vram": "trainer_core.vram",
-        "lora_targets": "trainer_core.lora_targets",
+        "lora_targets": "comfy_adapter.families.flux.lora_targets",
     }
     return type("Mods", (), {key: pack_import(name) for key, name in names.items()})

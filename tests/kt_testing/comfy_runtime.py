@@ -51,6 +51,16 @@ def pack_node_classes(pack_module) -> list:
     return run_sync(extension.get_node_list())
 
 
+def from_the_pack(name: str) -> ModuleType:
+    """One of the pack's modules as ComfyUI loaded it (`from_the_pack("trainer_core.config")`),
+    for helpers outside a test's fixtures; ComfyUI must be booted (the `comfy_runtime` fixture)."""
+    import importlib
+
+    if _RUNTIME is None:
+        raise RuntimeError("boot ComfyUI first: use the comfy_runtime fixture")
+    return importlib.import_module(f"{_RUNTIME.pack_module_name}.{name}")
+
+
 def boot(base_dir: Path, options: dict | None = None) -> ComfyRuntime:
     """`options`: more of ComfyUI's command-line options (`comfy.cli_args.args` attributes,
     e.g. `use_pytorch_cross_attention`), set before anything reads them."""

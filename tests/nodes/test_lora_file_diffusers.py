@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from demo_assets import DEMO_FLUX_CONFIG
+from kt_testing.comfy_runtime import from_the_pack
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
 from kt_testing.graphs import dataset_inputs
@@ -37,7 +38,6 @@ from kt_testing.tiny_models import build_flux_model, flux_patcher, small_flux_va
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
 from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata, write_lora
-from trainer_core.lora_targets import target_module_names
 
 # FLUX.1's names (comfy_adapter/families/flux)
 FLUX1_NAMES = ModelNames(
@@ -83,6 +83,11 @@ SINGLE_LAYERS = {
 
 RANK = 4
 BF16_STEP = 2.0**-8  # bf16 keeps 8 significant bits
+
+
+def target_module_names(linear_names, preset):
+    """The Flux family's target presets (the pack's module, as ComfyUI loaded it)."""
+    return from_the_pack("comfy_adapter.families.flux.lora_targets").target_module_names(linear_names, preset)
 
 
 def expected_lora_layers(flux_names) -> set[str]:

@@ -233,15 +233,14 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(
         assert set(exported) == set(initial)
         for layer, module in initial.items():
             assert torch.equal(exported[layer].down, module.down) and exported[layer].rank == 4
-        assert (
-            output(session.patcher, session.transformer_options()) - from_file
-        ).abs().max() <= 1e-5
+        assert (output(session.patcher, session.transformer_options()) - from_file).abs().max() <= 1e-5
 
 
 def test_initial_lora_file_without_flux_keys_is_refused(ft, run, core, tmp_path):
     path = tmp_path / "text_encoder_only.safetensors"
     core.lora_file.save_atomic({"lora_te_text_model.lora_down.weight": torch.zeros(2, 4)}, path)
-    with pytest.raises(ValueError, match=r"text_encoder_only\.safetensors has no Flux transformer LoRA"):
+    message = r"text_encoder_only\.safetensors has no LoRA weights for this model's diffusion model"
+    with pytest.raises(ValueError, match=message):
         run.seed_lora(path, tiny_flux_patcher(seed=0), ft.TrainConfig())
 
 

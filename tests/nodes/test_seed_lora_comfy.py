@@ -12,10 +12,16 @@ from __future__ import annotations
 import torch
 from safetensors.torch import save_file
 
+from kt_testing.comfy_runtime import from_the_pack
 from trainer_core.seed_lora import read_seed_lora
 
 RANK = 4
 
+
+
+def diffusers_places(names):
+    """The Flux family's diffusers names (the pack's module, as ComfyUI loaded it)."""
+    return from_the_pack("comfy_adapter.families.flux.lora_names").diffusers_places(names)
 
 def linear_shapes(flux) -> dict[str, tuple[int, int]]:
     return {name: tuple(m.weight.shape) for name, m in flux.named_modules() if isinstance(m, torch.nn.Linear)}
@@ -65,7 +71,7 @@ def test_kohya_file_matches_the_stock_loader(comfy_runtime, tmp_path):
     path = tmp_path / "kohya.safetensors"
     save_file(lora, str(path))
 
-    ours = read_seed_lora(path, list(shapes), RANK, shapes)
+    ours = read_seed_lora(path, list(shapes), RANK, shapes, diffusers_places(list(shapes)))
     assert set(ours) == set(shapes)  # every Linear layer of the tiny Flux
     assert_same_deltas(ours, stock_deltas(patcher, lora, shapes))
 
@@ -104,7 +110,7 @@ def test_diffusers_file_matches_the_stock_loader(comfy_runtime, tmp_path):
     path = tmp_path / "diffusers.safetensors"
     save_file(lora, str(path))
 
-    ours = read_seed_lora(path, list(shapes), RANK, shapes)
+    ours = read_seed_lora(path, list(shapes), RANK, shapes, diffusers_places(list(shapes)))
     assert set(ours) == set(shapes)
     assert ours["double_blocks.0.img_attn.qkv"].rank == 3 * RANK
     assert ours["single_blocks.0.linear1"].rank == 4 * RANK

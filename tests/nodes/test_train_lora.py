@@ -176,8 +176,8 @@ def test_resume_continues_with_identical_losses(mods, dataset):
 
 
 def test_checkpoints_of_the_old_folders_still_resume(mods, dataset):
-    """Before 0.2, checkpoints lived in models/loras/<name>_checkpoints/ (where they filled the
-    LoRA lists): they are still offered, and resume exactly."""
+    """Before 5263cc3 (CHANGELOG.md), checkpoints lived in models/loras/<name>_checkpoints/
+    (where they filled the LoRA lists): they are still offered, and resume exactly."""
     import shutil
 
     _, _, uninterrupted = train(mods, dataset, "kt_legacy", steps=4, save_every=2, seed=2)
@@ -235,7 +235,7 @@ def test_cancel_stops_at_a_step_writes_a_checkpoint_and_the_next_run_works(mods,
     assert not job.running and job.snapshot().status == "cancelled", (job.error, job.snapshot())
     saved = mods.checkpoint.all_checkpoints(checkpoints_dir("kt_cancel"))
     assert len(saved) == 1
-    stopped_at = mods.checkpoint.load_checkpoint(saved[0]).step
+    stopped_at = mods.checkpoint.load_checkpoint(saved[0], []).step
     assert 2 <= stopped_at < 10_000
     assert job.snapshot().message.endswith(f"resume from kt_cancel/{saved[0].parent.name}/{saved[0].name}")
     assert not (loras_dir() / "kt_cancel.safetensors").exists()
@@ -254,7 +254,7 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(mods, dataset):
     step = int(re.search(r"step (\d+)", str(caught.value)).group(1))
     saved = mods.checkpoint.all_checkpoints(checkpoints_dir("kt_nan"))
     if step > 1:
-        last = mods.checkpoint.load_checkpoint(saved[-1])
+        last = mods.checkpoint.load_checkpoint(saved[-1], [])
         assert last.step == step - 1 and all(torch.isfinite(torch.tensor(last.losses)))
     assert not (loras_dir() / "kt_nan.safetensors").exists()
 

@@ -41,7 +41,7 @@ def test_round_trip(tmp_path):
     lora, optimizer, rng = state()
     path = save_checkpoint(tmp_path / "ckpt", 12, lora, optimizer, rng, [1.0, 0.5], {"rank": 2})
     assert path.name == "step_000012"
-    loaded = load_checkpoint(path)
+    loaded = load_checkpoint(path, list(lora))
     assert loaded.step == 12 and loaded.losses == [1.0, 0.5] and loaded.config == {"rank": 2}
     module = loaded.lora["double_blocks.0.img_attn.qkv"]
     assert torch.equal(module.down, lora["double_blocks.0.img_attn.qkv"].down) and module.alpha == 2.0
@@ -75,7 +75,7 @@ def test_the_checkpoint_lora_is_a_full_precision_kohya_file_and_old_ones_still_l
         "diffusion_model.double_blocks.0.img_attn.qkv.alpha": torch.tensor(module.alpha),
     }
     save_atomic(old, path / "lora.safetensors")
-    loaded = load_checkpoint(path).lora["double_blocks.0.img_attn.qkv"]
+    loaded = load_checkpoint(path, list(lora)).lora["double_blocks.0.img_attn.qkv"]
     assert torch.equal(loaded.down, module.down) and torch.equal(loaded.up, module.up)
     assert loaded.alpha == module.alpha
 
@@ -101,7 +101,7 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
 def test_incomplete_folder_is_refused(tmp_path):
     (tmp_path / "step_000001").mkdir()
     with pytest.raises(FileNotFoundError, match="not a complete checkpoint"):
-        load_checkpoint(tmp_path / "step_000001")
+        load_checkpoint(tmp_path / "step_000001", [])
 
 
 def test_prune_keeps_the_newest(tmp_path):
@@ -140,7 +140,7 @@ def test_a_checkpoint_loaded_in_inference_mode_can_be_updated_in_place(tmp_path)
     lora, optimizer, rng = state()
     path = save_checkpoint(tmp_path, 1, lora, optimizer, rng, [1.0], {})
     with torch.inference_mode():
-        loaded = load_checkpoint(path)
+        loaded = load_checkpoint(path, list(lora))
     tensors = [*rng_values(loaded), *optimizer_values(loaded)]
     assert tensors and not any(t.is_inference() for t in tensors)
     for tensor in tensors:

@@ -4,8 +4,6 @@ layers that get this storage."""
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 
 from trainer_core.fp8_rows import (
@@ -16,7 +14,6 @@ from trainer_core.fp8_rows import (
     row_scales,
     scaled_layer_names,
 )
-from trainer_core.lora_targets import target_module_names
 
 
 def test_each_rows_largest_magnitude_maps_to_448():
@@ -113,7 +110,13 @@ def test_scaled_layers_are_the_block_attention_and_mlp_linears():
     flux.single_blocks = torch.nn.ModuleList([_Block(["linear1", "linear2", "modulation.lin"])])
     flux.final_layer = _Block(["linear"])
     flux.double_blocks[0].img_attn.qkv = _LoraWrapped()  # counted once, by its own name
-    attention_mlp = partial(target_module_names, preset="attention_mlp")  # FLUX's choice
+    seen = []
+
+    def attention_mlp(names):  # the family's choice (Flux's: block attention and MLP)
+        seen.append(names)
+        return [n for n in names if n.rsplit(".", 1)[0].endswith(("attn", "mlp")) or "linear" in n[-8:-1]]
+
+    # the family chooses among every Linear layer, in model order, a LoRA-wrapped one once
     assert scaled_layer_names(flux, attention_mlp) == [
         "double_blocks.0.img_attn.qkv",
         "double_blocks.0.img_attn.proj",
@@ -122,4 +125,14 @@ def test_scaled_layers_are_the_block_attention_and_mlp_linears():
         "double_blocks.0.txt_attn.qkv",
         "single_blocks.0.linear1",
         "single_blocks.0.linear2",
+    ]
+    assert seen == [
+        [
+            "img_in",
+            *(f"double_blocks.0.{name}" for name in double),
+            "single_blocks.0.linear1",
+            "single_blocks.0.linear2",
+            "single_blocks.0.modulation.lin",
+            "final_layer.linear",
+        ]
     ]

@@ -15,13 +15,13 @@ from dataclasses import dataclass
 import torch
 
 from ....trainer_core.lora_metadata import ModelNames
-from ....trainer_core.lora_targets import target_module_names
 from ....trainer_core.position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ....trainer_core.token_batch import TokenBatch, pack_latent
 from ....trainer_core.vram import FluxShape, estimate_vram
 from ...comfy_quantized import stored_weight_bytes
 from .. import ModelFamily, register
-from . import blocks, reference_ids
+from . import blocks, lora_names, reference_ids
+from .lora_targets import target_module_names
 
 # Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
 # their text ids, layers or text encoder differ, and training them is not proven. Told apart by
@@ -120,6 +120,9 @@ class FluxFamily(ModelFamily):
 
     def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:
         return target_module_names(linear_names, preset)
+
+    def diffusers_places(self, linear_names: list[str]) -> dict:
+        return lora_names.diffusers_places(linear_names)
 
     def blocks(self, diffusion_model) -> list[torch.nn.Module]:
         return [*diffusion_model.double_blocks, *diffusion_model.single_blocks]

@@ -145,4 +145,5 @@ def test_fp8_scaled_stores_the_layers_the_family_names(pack, dataset, registered
     (loss,) = train(pack, dataset, "qwen_like_fp8", fp8_mode="fp8_scaled").ui["loss"]
     assert math.isfinite(loss)
     layers = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.0", "img_mlp.2")
-    assert chosen[0] == [f"transformer_blocks.{i}.{layer}" for i in range(CONFIG["depth"]) for layer in layers]
+    blocks = range(CONFIG["depth"])
+    assert chosen[0] == [f"transformer_blocks.{i}.{layer}" for i in blocks for layer in layers]

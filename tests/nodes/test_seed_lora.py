@@ -1,4 +1,5 @@
-"""Reading an existing Flux LoRA file (any tool's key names) as the seed of a new run.
+"""Reading an existing Flux LoRA file (any tool's key names) as the seed of a new run
+(`trainer_core.seed_lora` with the Flux family's diffusers names).
 
 The model is described by hand: hidden size 8, MLP 32, 2 double and 2 single blocks, so every
 row range below (q = rows 0:8, k = 8:16, v = 16:24, MLP input = 24:56) is written out literally.
@@ -13,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from kt_testing.comfy_runtime import from_the_pack
 from trainer_core.lora_file import LoraModule, save_atomic, to_state_dict
-from trainer_core.seed_lora import read_seed_lora
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 H, MLP = 8, 32
 SHAPES = {}
@@ -56,7 +59,8 @@ def write(tmp_path, state, metadata=None, name="seed.safetensors"):
 
 
 def read(path, rank=2, shapes=SHAPES):
-    return read_seed_lora(path, NAMES, rank, shapes)
+    places = from_the_pack("comfy_adapter.families.flux.lora_names").diffusers_places(NAMES)
+    return from_the_pack("trainer_core.seed_lora").read_seed_lora(path, NAMES, rank, shapes, places)
 
 
 # --- formats ------------------------------------------------------------------------------------
@@ -252,9 +256,12 @@ def test_no_flux_keys(tmp_path):
     with pytest.raises(ValueError) as error:
         read(write(tmp_path, state))
     message = str(error.value)
-    assert "seed.safetensors has no Flux transformer LoRA weights" in message
+    assert "seed.safetensors has no LoRA weights for this model's diffusion model" in message
     assert "lora_te1_text_model_encoder_layers_0_mlp_fc1.lora_down.weight" in message
-    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in message
+    # examples of the keys it should have: the model's own layers, and the family's diffusers names
+    assert "diffusion_model.double_blocks.0.img_mod.lin.lora_A.weight" in message
+    assert "lora_unet_double_blocks_0_img_mod_lin.lora_down.weight" in message
+    assert "transformer.transformer_blocks.0.norm1.linear.lora_A.weight" in message
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from .choices import TargetPreset, choose
+from ....trainer_core.choices import TargetPreset, choose
 
 _ATTENTION = ("img_attn.qkv", "img_attn.proj", "txt_attn.qkv", "txt_attn.proj")
 _MLP = ("img_mlp.0", "img_mlp.2", "txt_mlp.0", "txt_mlp.2")

@@ -1,10 +1,13 @@
-"""Target presets pick exactly the Flux block layers they are documented to pick."""
+"""Target presets pick exactly the Flux block layers they are documented to pick
+(comfy_adapter/families/flux/lora_targets.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from trainer_core.lora_targets import target_module_names
+from kt_testing.comfy_runtime import from_the_pack
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 # The Linear layers of a Flux with one double and one single block, listed by hand from
 # comfy/ldm/flux/layers.py and model.py.
@@ -46,6 +49,11 @@ MLP = [
     "double_blocks.0.txt_mlp.2",
 ]
 MODULATION = ["double_blocks.0.img_mod.lin", "double_blocks.0.txt_mod.lin", "single_blocks.0.modulation.lin"]
+
+
+def target_module_names(linear_names, preset):
+    """The Flux family's target presets (the pack's module, as ComfyUI loaded it)."""
+    return from_the_pack("comfy_adapter.families.flux.lora_targets").target_module_names(linear_names, preset)
 
 
 @pytest.mark.parametrize(

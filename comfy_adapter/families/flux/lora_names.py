@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+from ....trainer_core.seed_lora import Place
 
 # Flux layer (inside a double block) -> diffusers layer (inside `transformer_blocks.N`)
 _DOUBLE = {
@@ -57,19 +58,6 @@ _TOP = {
 # diffusers' norm_out.linear outputs (scale, shift); Flux's adaLN_modulation.1 (shift, scale)
 _SWAPPED_HALVES = {"final_layer.adaLN_modulation.1"}
 
-FUSED_PARTS = {**_DOUBLE_FUSED, **_SINGLE_FUSED}  # fused layer suffix -> its parts, in row order
-
-
-@dataclass(frozen=True)
-class Place:
-    """A diffusers layer's place in Flux: the Flux layer `target`; for a fused target the index
-    of its row slice (`part`, in `FUSED_PARTS` order); `swap_halves` when the two halves of the
-    output rows come in the opposite order."""
-
-    target: str
-    part: int | None = None
-    swap_halves: bool = False
-
 
 def diffusers_places(flux_names: Iterable[str]) -> dict[str, Place]:
     """diffusers layer name (e.g. `transformer_blocks.0.attn.to_q`) -> its `Place`, for the
@@ -92,41 +80,7 @@ def diffusers_places(flux_names: Iterable[str]) -> dict[str, Place]:
             places[f"{block}.{plain[layer]}"] = Place(name)
         if layer in aliases:
             places[f"{block}.{aliases[layer]}"] = Place(name)
-        for part, diffusers_layer in enumerate(fused.get(layer, ())):
-            places[f"{block}.{diffusers_layer}"] = Place(name, part)
+        parts = fused.get(layer, ())
+        for part, diffusers_layer in enumerate(parts):
+            places[f"{block}.{diffusers_layer}"] = Place(name, part, parts=len(parts))
     return places
-
-
-def fused_parts(target: str) -> tuple[str, ...]:
-    """The diffusers parts (in row order) that the Flux layer `target` fuses; () if none."""
-    if not re.match(r"(double|single)_blocks\.\d+\.", target):
-        return ()
-    return FUSED_PARTS.get(target.split(".", 2)[2], ())
-
-
-# Every Linear layer name inside a Flux.1 block, and outside the blocks
-_BLOCK_LAYERS = (*_DOUBLE, *_DOUBLE_FUSED, *_SINGLE, *_SINGLE_FUSED)
-KOHYA_PREFIX = "lora_unet_"
-_KOHYA_BLOCK = re.compile(r"(double_blocks|single_blocks)_(\d+)_(.+)")
-_KOHYA_LAYERS = {layer.replace(".", "_"): layer for layer in _BLOCK_LAYERS}
-_KOHYA_TOP = {layer.replace(".", "_"): layer for layer in _TOP}
-
-
-def kohya_name(flux_name: str) -> str:
-    """kohya's (sd-scripts `networks/lora_flux.py`) name for a Flux layer: `lora_unet_` and the
-    module path with `_` for `.` (`double_blocks.0.img_attn.qkv` ->
-    `lora_unet_double_blocks_0_img_attn_qkv`). ComfyUI, diffusers and Forge read it."""
-    return KOHYA_PREFIX + flux_name.replace(".", "_")
-
-
-def flux_name_from_kohya(stem: str) -> str | None:
-    """The Flux layer a kohya name stands for (the inverse of `kohya_name` on Flux.1's Linear
-    layers), or None for a name that is not one of them (e.g. a text encoder's `lora_te1_*`)."""
-    if not stem.startswith(KOHYA_PREFIX):
-        return None
-    rest = stem[len(KOHYA_PREFIX) :]
-    match = _KOHYA_BLOCK.fullmatch(rest)
-    if match is not None:
-        kind, index, layer = match.groups()
-        return f"{kind}.{index}.{_KOHYA_LAYERS[layer]}" if layer in _KOHYA_LAYERS else None
-    return _KOHYA_TOP.get(rest)
