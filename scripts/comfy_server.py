@@ -72,9 +72,13 @@ def make_base_directory(base: Path, extra_packs: dict[str, Path] | None = None) 
     for sub in ("custom_nodes", "models", "input", "output", "temp", "user"):
         (base / sub).mkdir(parents=True, exist_ok=True)
     for name, target in {PACK_DIR_NAME: REPO_ROOT, **(extra_packs or {})}.items():
-        link = base / "custom_nodes" / name
-        if not link.exists():
-            link.symlink_to(Path(target).resolve(), target_is_directory=True)
+        link, target = base / "custom_nodes" / name, Path(target).resolve()
+        if link.is_symlink() and link.resolve() != target:  # a moved or other checkout: this one
+            link.unlink()
+        if not link.is_symlink():
+            if link.exists():
+                raise RuntimeError(f"{link} exists and is not a link to {target}; remove it")
+            link.symlink_to(target, target_is_directory=True)
     return base
 
 

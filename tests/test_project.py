@@ -7,6 +7,8 @@ import re
 import tomllib
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 PACK_DIRS = ("nodes", "application", "comfy_adapter", "trainer_core")
 
@@ -113,3 +115,27 @@ def test_node_tests_run_nodes_through_comfyuis_executor():
             continue
         offenders += [f"{name}:{line}" for line in _direct_node_calls(path.read_text())]
     assert not offenders, "call nodes through kt_testing.executor.run_node / run_graph"
+
+
+def test_a_base_directory_links_this_checkout_even_after_a_move(tmp_path):
+    """The demo's and the tests' base directory installs the pack as a link in custom_nodes; a
+    link left by a checkout that moved (or another checkout) is replaced by this one, a real
+    folder of that name is not touched."""
+    from comfy_server import PACK_DIR_NAME, REPO_ROOT, make_base_directory
+
+    link = tmp_path / "custom_nodes" / PACK_DIR_NAME
+    link.parent.mkdir(parents=True)
+    link.symlink_to(tmp_path / "gone", target_is_directory=True)  # the old checkout, moved away
+    make_base_directory(tmp_path)
+    assert link.resolve() == REPO_ROOT.resolve()
+    other = tmp_path / "other"
+    other.mkdir()
+    link.unlink()
+    link.symlink_to(other, target_is_directory=True)  # another checkout
+    make_base_directory(tmp_path)
+    assert link.resolve() == REPO_ROOT.resolve()
+    link.unlink()
+    link.mkdir()  # a user's own copy: refused with its path, left as it is
+    with pytest.raises(RuntimeError, match="exists and is not a link"):
+        make_base_directory(tmp_path)
+    assert link.is_dir() and not link.is_symlink()
