@@ -38,6 +38,7 @@ from .datasets import load_dataset
 from .run_policy import resume_folder, start_file
 from .run_service import PreparedRun, RunRequest, prepare
 from .training_run import TrainingOutcome
+from .widget_schema import RUN_FILE
 from .workflow_config import config_from_workflow, node_class, workflow_from_config
 
 LOGGER = logging.getLogger("kontext_trainer")
@@ -329,7 +330,7 @@ def convert_command(options) -> int:
             data = json.loads(Path(options.from_workflow).read_text(encoding="utf-8"))
             base = Path(folder_paths.base_path)
             config = config_from_workflow(data, base, options.node)
-            text = dump_run_config(config)
+            text = dump_run_config(config, RUN_FILE)
         else:
             text = json.dumps(workflow_from_config(load_run_config(options.config)), indent=2) + "\n"
     except (OSError, ValueError) as error:

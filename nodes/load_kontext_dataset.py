@@ -3,22 +3,22 @@
 The node validates the whole folder first (every problem in one message, nothing written
 on failure), then encodes what the cache does not already hold with the user's VAE and
 CLIP, showing progress, and outputs a KONTEXT_DATASET for TrainLoRA and PreviewSampler.
-Its widgets are generated from `DatasetOptions`; `application/datasets.load_dataset` does the
-work (the node and headless runs call it).
+Its widgets are generated from `DatasetOptions` and the widget schema;
+`application/datasets.load_dataset` does the work (the node and headless runs call it).
 """
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 from comfy_api.latest import io
 
 from ..application.datasets import load_dataset, resolve_dataset_folder
 from ..application.node_ids import node_id
+from ..application.widget_schema import INPUT_SUBFOLDERS, LOAD_KONTEXT_DATASET
 from ..trainer_core.dataset_files import folder_fingerprint
-from ..trainer_core.dataset_options import INPUT_SUBFOLDERS, USE_PATH, DatasetOptions
-from .widgets import config_widget
+from ..trainer_core.dataset_options import USE_PATH, DatasetOptions
+from .widgets import widgets
 
 Dataset = io.Custom("KONTEXT_DATASET")
 
@@ -28,7 +28,7 @@ def dataset_widgets() -> list:
     import folder_paths
 
     dynamic = {INPUT_SUBFOLDERS: lambda: [USE_PATH, *folder_paths.get_input_subfolders()]}
-    return [config_widget(option, dynamic) for option in dataclasses.fields(DatasetOptions)]
+    return widgets(LOAD_KONTEXT_DATASET, [DatasetOptions], dynamic)
 
 
 class LoadKontextDataset(io.ComfyNode):

@@ -1,8 +1,9 @@
 """TrainLoRA: trains a LoRA on the MODEL with a LoadKontextDataset dataset, in a background
 thread, with live progress, the stock Cancel, checkpoints and exact resume.
 
-The widgets are generated from `TrainConfig` (one widget per field, its tooltip and limits
-from the field's metadata), so the node and the config cannot drift apart.
+The widgets are generated from `TrainerOptions` and `TrainConfig` (defaults and limits) and the
+widget schema (tooltips, order, advanced), so the node, the config and the run file cannot
+drift apart.
 """
 
 from __future__ import annotations
@@ -24,39 +25,21 @@ from ..application.run_policy import (
     start_choices,
 )
 from ..application.run_service import RunRequest, prepare
+from ..application.widget_schema import CHECKPOINT_CHOICES, LORA_CHOICES, TRAIN_LORA
 from ..comfy_adapter.families import trained_models
-from ..trainer_core.config import AFTER_OVERWRITE, AFTER_START_FROM, ORIGINAL, TrainConfig
+from ..trainer_core.config import TrainConfig
 from ..trainer_core.job import Progress
 from ..trainer_core.names import lora_stem
 from ..trainer_core.run_config import TrainerOptions
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
 from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
-from .widgets import config_widget
+from .widgets import widgets
 
 LOGGER = logging.getLogger("kontext_trainer")
 # {"loss": [...], "validation_step": [...], "validation_loss": [...]}: the type ComfyUI's own
 # LossGraphNode reads (it draws "loss")
 LossMap = io.Custom("LOSS_MAP")
-
-
-def config_widgets(appended: int) -> list:
-    """TrainConfig's widgets added at one time (`config.ORIGINAL`, `AFTER_OVERWRITE`,
-    `AFTER_START_FROM`)."""
-    return [config_widget(f) for f in dataclasses.fields(TrainConfig) if f.metadata["appended"] == appended]
-
-
-def trainer_option(name: str) -> dataclasses.Field:
-    """A TrainerOptions field: the widgets TrainLoRA has beside TrainConfig's, described once
-    (the run config's keys of [train] are the same fields)."""
-    return next(f for f in dataclasses.fields(TrainerOptions) if f.name == name)
-
-
-def described(name: str) -> dict:
-    """A TrainerOptions field's default and tooltip, for a widget whose options only ComfyUI
-    knows (the checkpoints and LoRAs of the moment)."""
-    option = trainer_option(name)
-    return {"default": option.default, "tooltip": option.metadata["tooltip"]}
 
 
 def check_name_unique_in_prompt(prompt: dict | None, node: str, stem: str) -> None:
@@ -137,17 +120,11 @@ class TrainLoRA(io.ComfyNode):
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL from the stock loader (a clone is trained)."),
                 Dataset.Input("dataset", tooltip="From LoadKontextDataset."),
-                config_widget(trainer_option("lora_name")),
-                io.Combo.Input("resume_from", options=resume_choices(), **described("resume_from")),
-                *config_widgets(ORIGINAL),
-                # from here on, widgets added later: after the older ones, so workflows saved
-                # before they existed keep their widget values in place
-                config_widget(trainer_option("overwrite")),
-                *config_widgets(AFTER_OVERWRITE),
-                io.Combo.Input(
-                    "start_from_lora", options=start_choices(), optional=True, **described("start_from_lora")
+                *widgets(
+                    TRAIN_LORA,
+                    [TrainerOptions, TrainConfig],
+                    {CHECKPOINT_CHOICES: resume_choices, LORA_CHOICES: start_choices},
                 ),
-                *config_widgets(AFTER_START_FROM),
                 Preview.Input(
                     "preview",
                     optional=True,

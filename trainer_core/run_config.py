@@ -20,6 +20,7 @@ import os
 import re
 import textwrap
 import typing
+from collections.abc import Mapping
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 
@@ -39,9 +40,9 @@ NONE = "none"  # resume_from / start_from_lora: fresh weights
 CHECKPOINTS = "output/kontext_trainer_checkpoints"
 
 
-def required(tooltip: str, example) -> dict:
+def required(example) -> dict:
     """The metadata of a field the file must give; `example` shows how when it is missing."""
-    return {"tooltip": tooltip, "advanced": False, "example": example}
+    return {"example": example}
 
 
 @dataclass(kw_only=True)
@@ -49,39 +50,20 @@ class ModelFiles:
     """The stock loaders of a training workflow: UNETLoader, VAELoader, and CLIPLoader (one text
     encoder file) or DualCLIPLoader (two)."""
 
-    diffusion_model: str = field(
-        metadata=required(
-            "The Flux diffusion model (UNETLoader): a file name in models/diffusion_models, or an "
-            "absolute path.",
-            "flux1-dev-kontext_fp8_scaled.safetensors",
-        )
-    )
-    weight_dtype: str = knob(
-        "default",
-        "UNETLoader's weight_dtype (fp8_e4m3fn: fp8 weights, half the memory).",
-        options=WEIGHT_DTYPES,
-    )
-    vae: str = field(
-        metadata=required(
-            "The Flux VAE (VAELoader): a file name in models/vae, or an absolute path.", "ae.safetensors"
-        )
-    )
+    diffusion_model: str = field(metadata=required("flux1-dev-kontext_fp8_scaled.safetensors"))
+    weight_dtype: str = knob("default", options=WEIGHT_DTYPES)
+    vae: str = field(metadata=required("ae.safetensors"))
     text_encoders: list[str] = field(
-        metadata=required(
-            "The text encoders: one file (CLIPLoader) or two, clip_l and t5xxl (DualCLIPLoader); file "
-            "names in models/text_encoders, or absolute paths.",
-            ["clip_l.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"],
-        )
+        metadata=required(["clip_l.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"])
     )
-    clip_type: str = knob(
-        "flux", "The loader's type: flux for FLUX.1's two encoders (DualCLIPLoader), or CLIPLoader's type."
-    )
-    clip_device: str = knob("default", "Where the text encoders run.", options=CLIP_DEVICES)
+    clip_type: str = knob("flux")
+    clip_device: str = knob("default", options=CLIP_DEVICES)
 
     def __post_init__(self):
         for name in ("diffusion_model", "vae", "clip_type"):
             if not isinstance(getattr(self, name), str) or not getattr(self, name).strip():
-                raise ValueError(f"{name} is empty ({_field(ModelFiles, name).metadata['tooltip']})")
+                example = _field(ModelFiles, name).metadata.get("example", _field(ModelFiles, name).default)
+                raise ValueError(f"{name} is empty; give it, e.g. {name} = {toml_value(example)}")
         encoders = self.text_encoders
         if not isinstance(encoders, list) or not 1 <= len(encoders) <= 2 or not all(encoders):
             raise ValueError(
@@ -99,30 +81,10 @@ class ModelFiles:
 class TrainerOptions:
     """TrainLoRA's widgets that are not TrainConfig: where the run saves and what it starts from."""
 
-    lora_name: str = knob(
-        "kontext_lora",
-        "Saved as models/loras/<name>.safetensors; checkpoints go to "
-        "output/kontext_trainer_checkpoints/<name>/.",
-    )
-    resume_from: str = knob(
-        NONE,
-        "Continue a checkpoint exactly where it stopped (same rank, targets, seed...); it is read, never "
-        "changed: the continued run writes its own checkpoints.",
-        config_note=f"none, a checkpoint as TrainLoRA lists it (<name>/<run>/step_NNNNNN in {CHECKPOINTS}), "
-        "or an absolute path to a checkpoint folder.",
-    )
-    overwrite: bool = knob(
-        False,
-        "If models/loras/<name>.safetensors already exists: off refuses to start (pick another name), on "
-        "replaces it once the new LoRA is saved.",
-    )
-    start_from_lora: str = knob(
-        NONE,
-        "Start a new run from this LoRA's weights (ours, kohya, diffusers / ai-toolkit files): its layers "
-        "are trained, with its rank and alpha (rank must match). Unlike resume_from, the optimizer, "
-        "schedule and data order start fresh.",
-        config_note="none, a file name in models/loras, or an absolute path.",
-    )
+    lora_name: str = knob("kontext_lora")
+    resume_from: str = knob(NONE)
+    overwrite: bool = knob(False)
+    start_from_lora: str = knob(NONE)
 
     def __post_init__(self):
         for name in ("lora_name", "resume_from", "start_from_lora"):
@@ -133,11 +95,7 @@ class TrainerOptions:
 
 @dataclass
 class ComfyUISection:
-    base_directory: str = knob(
-        ".",
-        "A ComfyUI base directory (models/, input/, output/, temp/ under it); a relative one is "
-        "relative to this file's folder.",
-    )
+    base_directory: str = knob(".")
 
 
 @dataclass(kw_only=True)
@@ -239,7 +197,7 @@ def _build(cls: type, section: str, table: dict, problems: list[str]):
     for missing in (f for f in fields(cls) if _required(f) and f.name not in table):
         problems.append(
             f"[{section}] {missing.name}: missing; add it, e.g. {missing.name} = "
-            f"{toml_value(missing.metadata['example'])} ({missing.metadata['tooltip']})"
+            f"{toml_value(missing.metadata['example'])}"
         )
     # 2) each value on its own against the defaults: the class's own check finds every bad one
     if not any(_required(f) for f in fields(cls)):
@@ -344,9 +302,10 @@ def _required(config_field) -> bool:
 # --- writing ---------------------------------------------------------------------------------
 
 
-def dump_run_config(config: RunConfig) -> str:
-    """TOML text for `config` that `load_run_config` reads back equal; each key has its tooltip
-    (and choices or limits) as a comment above it."""
+def dump_run_config(config: RunConfig, describe: Mapping[str, Mapping[str, object]] | None = None) -> str:
+    """TOML text for `config` that `load_run_config` reads back equal; each key has its choices or
+    limits as a comment above it, after its description in `describe` (section -> key -> an
+    object with `tooltip`, `advanced` and `note`: the application's widget schema), if given."""
     objects = {
         "comfyui": (ComfyUISection(str(config.base_directory)),),
         "model": (config.model,),
@@ -361,20 +320,22 @@ def dump_run_config(config: RunConfig) -> str:
         lines += ["", f"[{section}]"]
         for owner in owners:
             for config_field in fields(owner):
-                lines += _comment(config_field)
+                lines += _comment(config_field, (describe or {}).get(section, {}).get(config_field.name))
                 lines.append(f"{config_field.name} = {toml_value(getattr(owner, config_field.name))}")
     return "\n".join(lines) + "\n"
 
 
-def _comment(config_field: dataclasses.Field) -> list[str]:
-    meta = config_field.metadata
-    text = ("(advanced) " if meta.get("advanced") else "") + meta["tooltip"]
+def _comment(config_field: dataclasses.Field, description) -> list[str]:
+    meta, text = config_field.metadata, ""
+    if description is not None:
+        text = ("(advanced) " if description.advanced else "") + description.tooltip
     if "options" in meta:
         text += f" One of: {', '.join(meta['options'])}."
     elif "min" in meta:
         text += f" From {meta['min']} to {meta['max']}."
-    if "config_note" in meta:
-        text += f" Here: {meta['config_note']}"
+    if description is not None and description.note:
+        text += f" Here: {description.note}"
+    text = text.strip()
     return textwrap.wrap(text, width=98, initial_indent="# ", subsequent_indent="# ", break_on_hyphens=False)
 
 

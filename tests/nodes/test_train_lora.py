@@ -120,16 +120,24 @@ def test_loss_chart_output_and_file(mods, dataset):
     assert torch.equal(saved[None], chart)
 
 
-def test_widgets_come_from_the_config(mods):
+def test_widgets_come_from_the_config_and_the_widget_schema(mods, pack_import):
     schema = mods.node.TrainLoRA.define_schema()
     widgets = {i.id: i for i in schema.inputs}
-    for f in dataclasses.fields(mods.config.TrainConfig):
-        assert widgets[f.name].tooltip == f.metadata["tooltip"]
-        spec = widgets[f.name].as_dict()
-        assert spec.get("advanced", False) == f.metadata["advanced"], f.name
-        assert widgets[f.name].optional == (f.metadata["appended"] != 0), f.name
+    rows = pack_import("application.widget_schema").TRAIN_LORA
+    sockets = ("model", "dataset", "preview")
+    assert [i.id for i in schema.inputs if i.id not in sockets] == [row.name for row in rows]
+    for row in rows:
+        assert widgets[row.name].tooltip == row.tooltip
+        assert widgets[row.name].as_dict().get("advanced", False) == row.advanced, row.name
+        assert widgets[row.name].optional == row.optional, row.name
+    for f in dataclasses.fields(mods.config.TrainConfig):  # defaults and limits: the config's
+        assert widgets[f.name].default == f.default, f.name
+        assert (widgets[f.name].as_dict().get("min"), widgets[f.name].as_dict().get("max")) == (
+            f.metadata.get("min"),
+            f.metadata.get("max"),
+        ), f.name
     assert widgets["targets"].options == ["attention", "attention_mlp", "all_linear"]
-    # the order saved workflows rely on: the 0.4 widgets, then those added after `overwrite`,
+    # the order saved workflows rely on: the first widgets, then those added after `overwrite`,
     # then those added after `start_from_lora`
     order = [i.id for i in schema.inputs if i.id not in ("model", "dataset", "preview")]
     before = order[: order.index("overwrite") + 1]

@@ -18,10 +18,15 @@ from kt_testing.comfy_runtime import run_sync
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLES = REPO / "example_workflows"
 E2E_DATA = REPO / "tests" / "e2e" / "data"
+SAVED_BY_70ADB75 = REPO / "tests" / "nodes" / "data" / "written_by_70adb75" / "workflows"
 TRAIN, DATASET = "KontextTrainer_TrainLoRA", "KontextTrainer_LoadKontextDataset"
-# every saved UI workflow with its API twin
+# every saved UI workflow with its API twin: the shipped examples, the workflows saved before
+# widgets were added (CHANGELOG.md) and the examples as 70adb75 saved them
 PAIRS = [(p, EXAMPLES / "api" / p.name) for p in sorted(EXAMPLES.glob("*.json"))] + [
-    (p, p.with_name(p.stem + "_api.json")) for p in sorted(E2E_DATA.glob("*.json")) if "_api" not in p.stem
+    (p, p.with_name(p.stem + "_api.json"))
+    for folder in (E2E_DATA, SAVED_BY_70ADB75)
+    for p in sorted(folder.glob("*.json"))
+    if "_api" not in p.stem
 ]
 
 
@@ -89,7 +94,7 @@ def trains(prompt: dict) -> bool:
     return any(node["class_type"] == TRAIN for node in prompt.values())
 
 
-@pytest.mark.parametrize(("ui", "api"), PAIRS, ids=[p.stem for p, _ in PAIRS])
+@pytest.mark.parametrize(("ui", "api"), PAIRS, ids=[f"{p.parent.name}/{p.stem}" for p, _ in PAIRS])
 def test_every_saved_workflow_reads_and_writes_back_the_same_run(comfy_runtime, wc, rc, tmp_path, ui, api):
     base = comfy_runtime.base_dir
     if not trains(read(api)):
@@ -133,7 +138,8 @@ def test_two_text_encoders_are_a_dual_clip_loader(comfy_runtime, wc):
 
 def test_ui_widget_values_follow_the_frontends_order_for_every_saved_node(comfy_runtime, wc):
     """Every node of every saved UI workflow (stock ones too, e.g. KSampler with its seed's
-    control value) reads as its API twin names it."""
+    control value; the examples as 70adb75 saved them) reads as its API twin names it: each
+    value lands on the widget it was saved for."""
     checked = 0
     for ui, api in PAIRS:
         twins = read(api)
@@ -268,88 +274,11 @@ def test_a_loader_choice_this_comfyui_lacks_is_named(comfy_runtime, wc):
         wc.workflow_from_config(config)
 
 
-def test_load_kontext_dataset_widgets_are_the_hand_written_ones(pack_import):
-    """LoadKontextDataset's inputs as they were written by hand before DatasetOptions generated
-    them: same names, order, defaults, tooltips, limits and choices."""
-    import folder_paths
-    from comfy_api.latest import io
-
-    node = pack_import("nodes.load_kontext_dataset")
-    use_path = "(absolute path below)"
-    before = [
-        io.Vae.Input("vae", tooltip="The trained model's VAE; latents are cached per image and VAE."),
-        io.Clip.Input("clip", tooltip="The trained model's text encoder; embeddings are cached per caption."),
-        io.Combo.Input(
-            "folder",
-            options=[use_path, *folder_paths.get_input_subfolders()],
-            default=use_path,
-            tooltip="A folder of ComfyUI's input directory holding the dataset.",
-        ),
-        io.String.Input(
-            "path", default="", tooltip="Or an absolute path to the dataset folder (wins if set)."
-        ),
-        io.Int.Input(
-            "resolution",
-            default=1024,
-            min=128,
-            max=2048,
-            step=64,
-            tooltip="Targets are scaled to about this many pixels squared, aspect kept, sides "
-            "multiples of 16; each distinct size is a bucket and batches never mix buckets.",
-        ),
-        io.Int.Input(
-            "reference_resolution",
-            default=1024,
-            min=0,
-            max=4096,
-            step=16,
-            tooltip="References are sized exactly as MultiImageConditioning sizes them at "
-            "inference (same rule, same number); 0 keeps their size, cropped to multiples of 16.",
-        ),
-        io.Int.Input(
-            "min_size",
-            default=256,
-            min=0,
-            max=4096,
-            tooltip="Images whose shorter side is below this many pixels are reported as problems.",
-        ),
-        io.Combo.Input(
-            "background",
-            options=["white", "black", "gray"],
-            default="white",
-            tooltip="Transparent pixels are composited onto this colour.",
-        ),
-        io.Int.Input(
-            "hold_out", default=0, min=0, max=10000, tooltip="Samples kept out of training for validation."
-        ),
-        io.Int.Input(
-            "seed",
-            default=0,
-            min=0,
-            max=2**31 - 1,
-            control_after_generate=False,
-            tooltip="Chooses the held-out samples.",
-        ),
-        io.String.Input(
-            "cache_folder",
-            default="",
-            tooltip="Where latents and embeddings are cached; empty = output/kontext_trainer_cache.",
-        ),
-    ]
-    now = node.LoadKontextDataset.define_schema().inputs
-
-    def described(inputs):
-        return [(i.id, i.get_io_type(), i.as_dict()) for i in inputs]
-
-    assert described(now) == described(before)
-    options = pack_import("trainer_core.dataset_options")
-    assert options.USE_PATH == use_path and list(options.BACKGROUNDS) == ["white", "black", "gray"]
-
-
-def test_trainer_options_are_trainloras_own_widgets(comfy_runtime, rc):
+def test_trainer_options_are_trainloras_own_widgets(comfy_runtime, rc, pack_import):
     widgets = declared_widgets(comfy_runtime, TRAIN)
+    rows = {row.name: row for row in pack_import("application.widget_schema").TRAIN_LORA}
     for option in dataclasses.fields(rc.TrainerOptions):
-        assert widgets[option.name]["tooltip"] == option.metadata["tooltip"], option.name
+        assert widgets[option.name]["tooltip"] == rows[option.name].tooltip, option.name
         assert widgets[option.name]["default"] == option.default, option.name
     assert set(widgets) == {f.name for f in dataclasses.fields(rc.TrainerOptions)} | {
         f.name for f in dataclasses.fields(rc.TrainConfig)
