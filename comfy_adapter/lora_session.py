@@ -109,8 +109,12 @@ class LoraSession:
     def predict(
         self, batch: TokenBatch, sigma: torch.Tensor, context: torch.Tensor, pooled: torch.Tensor
     ) -> torch.Tensor:
-        """(B, L, D) velocity for every token of `batch` (non-target rows are zero or junk)."""
-        return self.family.predict(self, batch, sigma, context, pooled)
+        """(B, L, D) velocity for every token of `batch` (non-target rows are zero or junk). The
+        model gets the timestep its ComfyUI sampling gives it for `sigma` (`model_sampling`:
+        sigma itself for Flux, sigma x 1000 for a discrete-flow model such as SD3), as
+        `BaseModel._apply_model` computes it."""
+        timestep = self.patcher.model.model_sampling.timestep(sigma)
+        return self.family.predict(self, batch, timestep, context, pooled)
 
     def save(self, path, metadata: dict[str, str], modules: Mapping[str, LoraModule] | None = None) -> Path:
         """Write the current LoRA (or `modules`, already taken from it) atomically to `path`: kohya

@@ -97,9 +97,10 @@ class ModelFamily:
         reference in `layout`, if given), for the guard (`forward_guard`)."""
         raise NotImplementedError
 
-    def predict(self, session, batch, sigma, context, pooled) -> torch.Tensor:
+    def predict(self, session, batch, timestep, context, pooled) -> torch.Tensor:
         """Required. (B, L, D) velocity for every token of a `TokenBatch`, computed with the
-        session's clone (`session.patcher`) as sampling calls the model."""
+        session's clone (`session.patcher`) as sampling calls the model; `timestep` is already
+        the model's (ComfyUI's `model_sampling.timestep` of the noise level)."""
         raise NotImplementedError
 
     def vram_estimate(self, diffusion_model, dataset, config):

@@ -159,7 +159,7 @@ class FluxFamily(ModelFamily):
         x = inputs.pop("x")
         return (x, torch.full((1,), 0.5, device=device)), inputs
 
-    def predict(self, session, batch: TokenBatch, sigma, context, pooled) -> torch.Tensor:
+    def predict(self, session, batch: TokenBatch, timestep, context, pooled) -> torch.Tensor:
         """For a batch whose samples share their sizes, exactly the call `BaseModel._apply_model`
         makes (ComfyUI's Flux `forward` with `ref_latents` and `ref_latents_method`, through its
         wrappers and patches; inputs cast the same way); a padded mixed-size batch goes through
@@ -167,11 +167,11 @@ class FluxFamily(ModelFamily):
         (ComfyUI 0.33's `index_timestep_zero`) every sample gets ComfyUI's own call alone."""
         config, patcher = session.config, session.patcher
         if config.layout in TIMESTEP_ZERO_LAYOUTS and batch.tokens.shape[0] > 1:
-            return self._predict_one_by_one(session, batch, sigma, context, pooled)
+            return self._predict_one_by_one(session, batch, timestep, context, pooled)
         diffusion_model = patcher.model.diffusion_model
         dtype, device = _compute_dtype(patcher.model), patcher.load_device
         tokens = batch.tokens.to(device, dtype)
-        timestep = sigma.to(device, torch.float32)
+        timestep = timestep.to(device, torch.float32)
         context = context.to(device, dtype)
         pooled = pooled.to(device, dtype)
         guidance = None
@@ -207,13 +207,13 @@ class FluxFamily(ModelFamily):
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
-    def _predict_one_by_one(self, session, batch: TokenBatch, sigma, context, pooled) -> torch.Tensor:
+    def _predict_one_by_one(self, session, batch: TokenBatch, timestep, context, pooled) -> torch.Tensor:
         """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
         timestep batch for them, which a batch of several meets with one guidance value per
         sample and fails, and it takes one reference range for the whole batch, which padded
         samples do not share. Each sample gets exactly ComfyUI's own call."""
         rows = [
-            self.predict(session, batch.sample(i), sigma[i : i + 1], context[i : i + 1], pooled[i : i + 1])
+            self.predict(session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], pooled[i : i + 1])
             for i in range(batch.tokens.shape[0])
         ]
         length = batch.tokens.shape[1]

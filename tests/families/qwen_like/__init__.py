@@ -165,7 +165,7 @@ class QwenLikeModel(nn.Module):
             hidden_states.dtype
         )
         encoder_hidden_states = self.txt_in(context)
-        temb = self.time_in(_embedding(timestep * 1000, self.dim).to(hidden_states.dtype))
+        temb = self.time_in(_embedding(timestep, self.dim).to(hidden_states.dtype))
         blocks_replace = transformer_options.get("patches_replace", {}).get("dit", {})
         for i, block in enumerate(self.transformer_blocks):
             if ("double_block", i) in blocks_replace:
@@ -199,7 +199,8 @@ class QwenLikeModel(nn.Module):
 
 def build_patcher(seed: int = 0):
     """A MODEL (ModelPatcher) around a `comfy.model_base.BaseModel` of `QwenLikeModel`, built
-    with ComfyUI's operations and sampled as a flow model (as ComfyUI's Qwen-Image is)."""
+    with ComfyUI's operations and sampled as a discrete-flow model (ComfyUI's `ModelType.FLOW`,
+    as its Qwen-Image is, here with SD3's timestep multiplier 1000)."""
     import comfy.latent_formats
     import comfy.model_base
     import comfy.model_management
@@ -208,13 +209,14 @@ def build_patcher(seed: int = 0):
 
     class QwenLikeConfig(comfy.supported_models_base.BASE):
         unet_config = {"image_model": IMAGE_MODEL}  # noqa: RUF012 (ComfyUI's class attributes)
-        sampling_settings = {"multiplier": 1.0, "shift": 1.0}  # noqa: RUF012
+        # a discrete-flow model as ComfyUI samples SD3: its timestep is sigma x 1000
+        sampling_settings = {"multiplier": 1000.0, "shift": 1.0}  # noqa: RUF012
         latent_format = comfy.latent_formats.Flux
         supported_inference_dtypes = [torch.float32]  # noqa: RUF012
 
     config = QwenLikeConfig(dict(CONFIG))
     config.set_inference_dtype(torch.float32, None)
-    model = comfy.model_base.BaseModel(config, comfy.model_base.ModelType.FLUX, unet_model=QwenLikeModel)
+    model = comfy.model_base.BaseModel(config, comfy.model_base.ModelType.FLOW, unet_model=QwenLikeModel)
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for param in model.diffusion_model.parameters():
@@ -304,13 +306,13 @@ def family_for(pack):
             refs = [torch.randn(1, diffusion_model.in_channels, 4, 4, generator=gen).to(device, dtype)]
             return (x, torch.full((1,), 0.5, device=device)), {"context": context, "ref_latents": refs}
 
-        def predict(self, session, batch, sigma, context, pooled):
+        def predict(self, session, batch, timestep, context, pooled):
             device = session.patcher.load_device
             tokens = batch.tokens.to(device, torch.float32)
             x, references = batch.split_latents(tokens)
             out = session.diffusion_model(
                 x,
-                sigma.to(device),
+                timestep.to(device),
                 context.to(device, torch.float32),
                 ref_latents=references or None,
                 transformer_options=session.transformer_options(),

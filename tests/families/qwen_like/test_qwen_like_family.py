@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from families.qwen_like import CONFIG, IMAGE_MODEL, build_patcher, family_for
+from families.qwen_like import CONFIG, IMAGE_MODEL, QwenLikeBlock, QwenLikeModel, build_patcher, family_for
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
 from kt_testing.graphs import dataset_inputs
@@ -81,8 +81,12 @@ def test_a_family_in_its_own_folder_trains_one_step_with_guard_checkpointing_and
         transfers.append((direction, index))
         return real_move(swapper, index, direction)
 
-    block_type = type(build_patcher().model.diffusion_model.transformer_blocks[0])
-    real_forward = block_type.forward
+    model_type, block_type, timesteps = QwenLikeModel, QwenLikeBlock, []
+    real_forward, real_model_forward = block_type.forward, model_type.forward
+
+    def model_forward(model, x, timestep, *args, **kwargs):
+        timesteps.append(float(timestep.max()))
+        return real_model_forward(model, x, timestep, *args, **kwargs)
 
     def forward(block, *args, **kwargs):
         blocks_run.append(torch._C._current_graph_task_id() != -1)  # True: recomputed in backward
@@ -91,12 +95,16 @@ def test_a_family_in_its_own_folder_trains_one_step_with_guard_checkpointing_and
     monkeypatch.setattr(family_type, "probe", probe)
     monkeypatch.setattr(swapper_type, "_move", move)
     monkeypatch.setattr(block_type, "forward", forward)
+    monkeypatch.setattr(model_type, "forward", model_forward)
     result = train(pack, dataset, "qwen_like_one_step")
 
     (loss,) = result.ui["loss"]
     assert math.isfinite(loss)
     # the guard: the forward comparison and the backward check, each on the family's probe
     assert probes == ["index", "index"]
+    # the step's model call got ComfyUI's timestep for its sigma (x 1000 for this model), the
+    # probes' their own 0.5
+    assert timesteps[:3] == [0.5, 0.5, 0.5] and 1.0 < timesteps[-1] < 1000.0, timesteps
     # block swap: the family's order takes the last block; it leaves at the start, and visits
     # the compute device for the step's forward and for its recompute in backward
     depth = CONFIG["depth"]
