@@ -1,7 +1,7 @@
 """The VRAM estimator's activation term against memory this code measures: the peak host
 memory a real training step of the tiny Flux takes on the CPU (`kt_testing.step_memory`).
 
-The estimator's constants were fitted to a published GPU ladder (see `trainer_core/vram.py`);
+The estimator's constants were fitted to a published GPU ladder (see `comfy_adapter/families/flux/vram.py`);
 this checks its *shape*: activations linear in the tokens, and the split between a
 checkpointed block's kept input and one block's working set. The tiny model computes in
 float32 where the estimator assumes bf16, hence the factor 2 in the absolute comparison."""
@@ -17,13 +17,31 @@ from types import SimpleNamespace
 
 import pytest
 
+from kt_testing.comfy_runtime import from_the_pack
 from kt_testing.paths import REPO_ROOT
 from kt_testing.tiny_models import TINY_FLUX_CONFIG
-from trainer_core.vram import GIB, FluxShape, estimate_vram
 
 SMALL, LARGE = 48, 96  # latent sizes: 576 and 2304 image tokens
 TEXT_TOKENS = 5  # the tiny samples' context length
-TINY = FluxShape.of(SimpleNamespace(**TINY_FLUX_CONFIG))
+
+
+class _FluxVram:
+    """The Flux family's estimate (comfy_adapter/families/flux/vram.py) as ComfyUI loaded the
+    pack, looked up when a test runs (ComfyUI is booted by then)."""
+
+    def __getattr__(self, name):
+        return getattr(from_the_pack("comfy_adapter.families.flux.vram"), name)
+
+
+vram = _FluxVram()
+
+
+def tiny():
+    """The tiny Flux's shape."""
+    return vram.FluxShape.of(SimpleNamespace(**TINY_FLUX_CONFIG))
+
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 
 @pytest.fixture(scope="module")
@@ -53,10 +71,10 @@ def measured():
 
 def estimated(size: int, checkpointing: bool) -> float:
     """The estimator's activation term in bytes for one sample of `size` x `size` latents."""
-    estimate = estimate_vram(
-        TINY, resolution=size * 8, text_tokens=TEXT_TOKENS, gradient_checkpointing=checkpointing
+    estimate = vram.estimate_vram(
+        tiny(), resolution=size * 8, text_tokens=TEXT_TOKENS, gradient_checkpointing=checkpointing
     )
-    return estimate.activations * GIB
+    return estimate.activations * vram.GIB
 
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
@@ -94,7 +112,7 @@ def test_the_estimators_weight_count_is_the_models(comfy_runtime, family):
     from kt_testing.tiny_models import TINY_FAMILIES
 
     flux = TINY_FAMILIES[family].patcher(seed=0).model.diffusion_model
-    shape = FluxShape.of(flux.params)
+    shape = vram.FluxShape.of(flux.params)
     counted = shape.double_blocks * shape.double_block_weights()
     counted += shape.single_blocks * shape.single_block_weights() + shape.other_weights()
     # QK-norm scales are parameters too (2 per attention, head-dim long); no Linear of the shape

@@ -13,7 +13,6 @@ from trainer_core.config import TrainConfig
 from trainer_core.loop import make_optimizer
 from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata
 from trainer_core.optimizers import OPTIMIZERS
-from trainer_core.vram import estimate_vram
 
 # FLUX.1's names (comfy_adapter/families/flux)
 FLUX1_NAMES = ModelNames(
@@ -65,11 +64,3 @@ def test_the_state_size_is_what_torch_keeps(name, rank):
     values = sum(p.numel() for p in parameters)
     measured = state_bytes(optimizer) / values
     assert measured == pytest.approx(OPTIMIZERS[name].state_bytes(rank), rel=0.01)
-
-
-def test_the_estimate_counts_the_optimizers_state():
-    adamw = estimate_vram(rank=16, optimizer="adamw")
-    adafactor = estimate_vram(rank=16, optimizer="adafactor")
-    # fp32 weight + gradient (8 bytes) + the state: 16 bytes a value with AdamW, 8.25 with Adafactor
-    assert adafactor.lora == pytest.approx(adamw.lora * (8 + 4 / 16) / 16)
-    assert adamw.weights == adafactor.weights and adamw.activations == adafactor.activations

@@ -17,11 +17,11 @@ import torch
 from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS, TokenGrid
 from ....trainer_core.token_batch import TokenBatch, pack_latent
-from ....trainer_core.vram import FluxShape, estimate_vram
 from ...comfy_quantized import stored_weight_bytes
 from .. import ModelFamily, register
 from . import blocks, lora_names, reference_ids
 from .lora_targets import target_module_names
+from .vram import FluxShape, estimate_vram
 
 # Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
 # their text ids, layers or text encoder differ, and training them is not proven. Told apart by
