@@ -45,7 +45,7 @@ class TimestepSampler(Choice):
     LOGIT_NORMAL = "logit_normal"
     SIGMOID = "sigmoid"
     SHIFT = "shift"
-    FLUX_SHIFT = "flux_shift"
+    TOKEN_SHIFT = "flux_shift"  # the stored name (saved workflows and checkpoints hold it)
 
 
 class LossWeighting(Choice):

@@ -72,7 +72,7 @@ class TrainConfig:
     targets: TargetPreset = knob(TargetPreset.ATTENTION_MLP, choices=TargetPreset, must_match=True)
     layout: Layout = knob(Layout.OFFSET, choices=Layout, must_match=True)
     timestep_sampler: TimestepSampler = knob(
-        TimestepSampler.FLUX_SHIFT, choices=TimestepSampler, must_match=True
+        TimestepSampler.TOKEN_SHIFT, choices=TimestepSampler, must_match=True
     )
     logit_mean: float = knob(0.0, min=-5.0, max=5.0, step=0.05)
     logit_std: float = knob(1.0, min=0.01, max=5.0, step=0.05)

@@ -21,7 +21,7 @@ from .objective import (
     noisy_input,
     sample_sigmas,
 )
-from .position_ids import FLUX1_GRID, TokenGrid
+from .position_ids import DEFAULT_GRID, TokenGrid
 from .token_batch import TokenBatch, build_token_batch
 
 
@@ -74,7 +74,7 @@ def flow_matching_loss(
     config: TrainConfig,
     generator: torch.Generator,
     empty_text: EmptyText | None = None,
-    grid: TokenGrid = FLUX1_GRID,
+    grid: TokenGrid = DEFAULT_GRID,
     rows: slice | None = None,
 ) -> torch.Tensor:
     """The batch's mean weighted loss. `rows` (data parallel, see `distributed`): `samples` is

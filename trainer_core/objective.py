@@ -20,7 +20,7 @@ WEIGHTINGS = tuple(LossWeighting)
 
 # Flux's resolution-dependent shift: mu grows linearly with the image token count between
 # these two points (256 tokens -> 0.5, 4096 tokens -> 1.15), as in Flux's own scheduler.
-FLUX_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
+TOKEN_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
 
 
 @dataclass(frozen=True)
@@ -40,9 +40,9 @@ def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def flux_mu(image_tokens: int | torch.Tensor) -> float | torch.Tensor:
+def token_count_mu(image_tokens: int | torch.Tensor) -> float | torch.Tensor:
     """Flux's shift exponent for an image of `image_tokens` tokens (linear in the count)."""
-    (x1, y1), (x2, y2) = FLUX_SHIFT_POINTS
+    (x1, y1), (x2, y2) = TOKEN_SHIFT_POINTS
     return y1 + (y2 - y1) * (image_tokens - x1) / (x2 - x1)
 
 
@@ -69,7 +69,7 @@ def sigmas_from_draws(
         return shift_sigma(base, sampler.shift)
     if torch.is_tensor(image_tokens):
         image_tokens = image_tokens.to(base.dtype)
-    return time_shift(base, flux_mu(image_tokens))  # flux_shift
+    return time_shift(base, token_count_mu(image_tokens))  # flux_shift
 
 
 def sample_sigmas(

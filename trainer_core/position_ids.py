@@ -46,15 +46,16 @@ LatentSize = tuple[int, int]  # (height, width) of a latent, in latent pixels
 
 @dataclass(frozen=True)
 class TokenGrid:
-    """How a Flux model turns latents into tokens and ids (its `FluxParams`): FLUX.1 is the
-    default; FLUX.2 is `TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)`."""
+    """How a model turns latents into tokens and ids (its family gives it:
+    `ModelFamily.token_grid`). The default: 2x2 patches, three RoPE axes (index, row, column),
+    index steps of 1."""
 
     patch_size: int = 2
-    axes: int = 3  # RoPE axes: (index, row, column) [+ text position on FLUX.2]
+    axes: int = 3  # RoPE axes: (index, row, column) [+ a text position axis, on some models]
     ref_index_scale: float = 1.0  # the index step of the `index` layout
 
 
-FLUX1_GRID = TokenGrid()
+DEFAULT_GRID = TokenGrid()
 
 
 def check_layout(layout: str) -> Layout:
@@ -103,7 +104,7 @@ def reference_placements(
     target: LatentSize,
     references: Sequence[LatentSize],
     layout: str,
-    grid: TokenGrid = FLUX1_GRID,
+    grid: TokenGrid = DEFAULT_GRID,
 ) -> list[tuple[float, int, int]]:
     """(index, row offset, column offset) of each reference, offsets in patch units."""
     check_layout(layout)
@@ -146,7 +147,7 @@ def image_position_ids(
     target: LatentSize,
     references: Sequence[LatentSize],
     layout: str,
-    grid: TokenGrid = FLUX1_GRID,
+    grid: TokenGrid = DEFAULT_GRID,
 ) -> torch.Tensor:
     """Ids of one sample's image tokens: target first, then each reference. Shape (L, axes)."""
     parts = [grid_ids(target, 0.0, 0, 0, grid.patch_size, grid.axes)]

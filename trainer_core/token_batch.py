@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from einops import rearrange
 
-from .position_ids import FLUX1_GRID, TokenGrid, image_position_ids
+from .position_ids import DEFAULT_GRID, TokenGrid, image_position_ids
 
 
 def pack_latent(latent: torch.Tensor, patch_size: int = 2) -> torch.Tensor:
@@ -48,7 +48,7 @@ class TokenBatch:
     valid: torch.Tensor  # (B, L) bool: a real token (target or reference)
     target: torch.Tensor  # (B, L) bool: a target token (what the loss sees)
     target_sizes: list[tuple[int, int]]  # per-sample target latent (H, W)
-    grid: TokenGrid = FLUX1_GRID
+    grid: TokenGrid = DEFAULT_GRID
     reference_sizes: list[list[tuple[int, int]]] = field(default_factory=list)  # per sample, (h, w) each
 
     def is_uniform(self) -> bool:
@@ -96,7 +96,7 @@ def build_token_batch(
     targets: Sequence[torch.Tensor],
     references: Sequence[Sequence[torch.Tensor]],
     layout: str,
-    grid: TokenGrid = FLUX1_GRID,
+    grid: TokenGrid = DEFAULT_GRID,
     pad_value: float = 0.0,
 ) -> TokenBatch:
     """Pack per-sample (C, H, W) targets and their references into one padded batch."""

@@ -11,7 +11,7 @@ from trainer_core.objective import (
     SigmaSampler,
     apply_caption_dropout,
     caption_dropout_mask,
-    flux_mu,
+    token_count_mu,
     loss_weights,
     masked_flow_loss,
     noisy_input,
@@ -58,8 +58,8 @@ def test_fixed_shift():
 
 def test_flux_resolution_shift():
     # mu: 256 tokens -> 0.5, 4096 -> 1.15, 1024 (a 512x512 image) -> 0.5 + 0.65 * 768 / 3840 = 0.63
-    assert flux_mu(256) == pytest.approx(0.5) and flux_mu(4096) == pytest.approx(1.15)
-    assert flux_mu(1024) == pytest.approx(0.63)
+    assert token_count_mu(256) == pytest.approx(0.5) and token_count_mu(4096) == pytest.approx(1.15)
+    assert token_count_mu(1024) == pytest.approx(0.63)
     # s = 0.5 -> e^mu / (e^mu + 1): mu 1.15 -> 3.158193 / 4.158193 = 0.759510
     assert float(time_shift(torch.tensor(0.5), 1.15)) == pytest.approx(0.759510, abs=1e-6)
     got = sigmas_from_draws(SigmaSampler("flux_shift"), torch.tensor([0.0]), torch.tensor([0.3]), 4096)
