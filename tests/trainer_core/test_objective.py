@@ -11,7 +11,6 @@ from trainer_core.objective import (
     SigmaSampler,
     apply_caption_dropout,
     caption_dropout_mask,
-    token_count_mu,
     loss_weights,
     masked_flow_loss,
     noisy_input,
@@ -19,6 +18,7 @@ from trainer_core.objective import (
     shift_sigma,
     sigmas_from_draws,
     time_shift,
+    token_count_mu,
 )
 
 NORMAL = torch.tensor([0.0, 1.0, -2.0])

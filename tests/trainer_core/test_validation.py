@@ -56,7 +56,8 @@ def test_held_out_loss_by_hand():
     before = torch.get_rng_state()
     assert held_out_loss(Scaled(), samples, "offset", DEFAULT_GRID, seed=7) == value
     assert torch.equal(torch.get_rng_state(), before)
-    assert held_out_loss(Scaled(), samples, "offset", DEFAULT_GRID, seed=8) != value  # the seed picks the noise
+    # the seed picks the noise
+    assert held_out_loss(Scaled(), samples, "offset", DEFAULT_GRID, seed=8) != value
 
 
 def test_held_out_loss_needs_samples():
