@@ -268,7 +268,14 @@ class TrainingRun:
     def _validate(self, session: LoraSession) -> float:
         config = self.config
         with self.tracker.timed("validation"), evaluating(session.diffusion_model):
-            return held_out_loss(session.predict, self.held_out, config.layout, session.grid, config.seed)
+            return held_out_loss(
+                session.predict,
+                self.held_out,
+                config.layout,
+                session.grid,
+                config.seed,
+                noise_scaling=session.noise_scaling,
+            )
 
     def _on_step(self, session: LoraSession, info: StepInfo) -> bool:
         job, previews = self.job, self.previews

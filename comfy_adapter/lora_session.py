@@ -122,6 +122,11 @@ class LoraSession:
         dtype = lora_file.precision_dtype(self.config.save_precision)
         return write_lora(Path(path), modules or self.lora.modules(), metadata, dtype, time.time())
 
+    def noise_scaling(self, sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
+        """The noisy input at `sigma`, mixed as the model's ComfyUI sampling mixes it
+        (`model_sampling.noise_scaling`: s * noise + (1 - s) * x0 for a flow model)."""
+        return self.patcher.model.model_sampling.noise_scaling(sigma, noise, x0)
+
     def loss(self, samples, generator: torch.Generator, rows: slice | None = None) -> torch.Tensor:
         """The objective on one batch of `flow_step.Sample`s (the `loss_fn` of `loop.train`);
         `rows`: data parallel, this process's rows of the global batch `samples`."""
@@ -133,6 +138,7 @@ class LoraSession:
             self.empty_text,
             self.grid,
             rows,
+            self.noise_scaling,
         )
 
 

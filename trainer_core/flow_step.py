@@ -14,6 +14,7 @@ import torch
 
 from .config import TrainConfig
 from .objective import (
+    NoiseScaling,
     apply_caption_dropout,
     caption_dropout_mask,
     loss_weights,
@@ -76,9 +77,11 @@ def flow_matching_loss(
     empty_text: EmptyText | None = None,
     grid: TokenGrid = DEFAULT_GRID,
     rows: slice | None = None,
+    noise_scaling: NoiseScaling | None = None,
 ) -> torch.Tensor:
-    """The batch's mean weighted loss. `rows` (data parallel, see `distributed`): `samples` is
-    the global batch and this process trains only these rows. Every random draw is still made
+    """The batch's mean weighted loss (`noise_scaling`: the model's, see `noisy_input`). `rows`
+    (data parallel, see `distributed`): `samples` is the global batch and this process trains
+    only these rows. Every random draw is still made
     for the whole global batch (so each sample gets the draws it gets in one process) and the
     result is the rows' share of the global mean: their sum / the global batch size (a zero
     tensor without gradient when no rows fall to this process)."""
@@ -106,7 +109,9 @@ def flow_matching_loss(
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
     weights = loss_weights(sigma, config.loss_weighting)
     if rows is None:
-        return _loss_at(predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma)
+        return _loss_at(
+            predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma, noise_scaling
+        )
     # 5) data parallel: this process's rows, packed on their own (a sample's tokens sit at the
     # same positions in any batch; only the padding after them differs)
     chosen = list(range(batch))[rows]
@@ -128,12 +133,19 @@ def flow_matching_loss(
         weights[index],
         perturbation[index.to(noise.device), :length] if perturbation is not None else None,
         config.ip_noise_gamma,
+        noise_scaling,
     )
     return loss * (len(chosen) / batch)
 
 
 def fixed_noise_loss(
-    predict: Predict, sample: Sample, layout: str, grid: TokenGrid, sigma: float, noise_seed: int
+    predict: Predict,
+    sample: Sample,
+    layout: str,
+    grid: TokenGrid,
+    sigma: float,
+    noise_seed: int,
+    noise_scaling: NoiseScaling | None = None,
 ) -> torch.Tensor:
     """The unweighted flow loss of one sample at noise level `sigma` with the noise drawn from
     its own generator seeded by `noise_seed`: the same value for the same model, and no draw
@@ -141,8 +153,9 @@ def fixed_noise_loss(
     clean = build_token_batch([sample.target], [sample.references], layout, grid)
     noise = torch.randn(clean.tokens.shape, generator=torch.Generator().manual_seed(noise_seed))
     sigmas = torch.tensor([float(sigma)])
+    texts = [(sample.context, sample.pooled)]
     return _loss_at(
-        predict, clean, sigmas, noise.to(clean.tokens), [(sample.context, sample.pooled)], torch.ones(1)
+        predict, clean, sigmas, noise.to(clean.tokens), texts, torch.ones(1), noise_scaling=noise_scaling
     )
 
 
@@ -155,11 +168,14 @@ def _loss_at(
     weights: torch.Tensor,
     perturbation: torch.Tensor | None = None,
     ip_noise_gamma: float = 0.0,
+    noise_scaling: NoiseScaling | None = None,
 ) -> torch.Tensor:
     """Noise the target tokens, predict, and compare on target tokens only, on the device the
     model computed on (the samples may wait on the CPU while the model runs on a GPU)."""
     device = clean.tokens.device
-    mixed, velocity = noisy_input(clean.tokens, noise, sigma.to(device), perturbation, ip_noise_gamma)
+    mixed, velocity = noisy_input(
+        clean.tokens, noise, sigma.to(device), perturbation, ip_noise_gamma, noise_scaling
+    )
     noisy_tokens = torch.where(clean.target[..., None], mixed, clean.tokens)
     context, pooled = _stack_text(texts)
     prediction = predict(replace(clean, tokens=noisy_tokens), sigma.to(device), context, pooled)

@@ -9,6 +9,7 @@ the model predicts the velocity noise - x0 (Flux's flow-matching target).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ WEIGHTINGS = tuple(LossWeighting)
 # Flux's resolution-dependent shift: mu grows linearly with the image token count between
 # these two points (256 tokens -> 0.5, 4096 tokens -> 1.15), as in Flux's own scheduler.
 TOKEN_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
+NoiseScaling = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (sigma, noise, x0) -> x_t
 
 
 @dataclass(frozen=True)
@@ -88,13 +90,19 @@ def noisy_input(
     sigma: torch.Tensor,
     perturbation: torch.Tensor | None = None,
     ip_noise_gamma: float = 0.0,
+    noise_scaling: NoiseScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(x_t, target). Input perturbation (ip_noise_gamma) adds gamma * perturbation to the noise
-    that builds x_t only; the target stays noise - x0, so the model learns to be robust to it."""
-    s = sigma.reshape(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
+    that builds x_t only; the target stays noise - x0, so the model learns to be robust to it.
+    `noise_scaling(sigma, noise, x0)`: the model's own mixing (ComfyUI's
+    `model_sampling.noise_scaling`, s * noise + (1 - s) * x0 for flow models); without it, that
+    formula here."""
     input_noise = (
         noise if perturbation is None or ip_noise_gamma == 0 else noise + ip_noise_gamma * perturbation
     )
+    if noise_scaling is not None:
+        return noise_scaling(sigma.to(x0.dtype), input_noise, x0), noise - x0
+    s = sigma.reshape(-1, *([1] * (x0.ndim - 1))).to(x0.dtype)
     return (1 - s) * x0 + s * input_noise, noise - x0
 
 

@@ -47,14 +47,16 @@ def held_out_loss(
     grid: TokenGrid,
     seed: int,
     sigmas: Sequence[float] = VALIDATION_SIGMAS,
+    noise_scaling=None,
 ) -> float:
-    """Mean flow loss over every held-out sample and every sigma in `sigmas`."""
+    """Mean flow loss over every held-out sample and every sigma in `sigmas` (`noise_scaling`:
+    the model's, see `objective.noisy_input`)."""
     if not samples:
         raise ValueError("validation needs held-out samples (LoadKontextDataset's hold_out)")
     total = 0.0
     for i, sample in enumerate(samples):
         for j, sigma in enumerate(sigmas):
             total += float(
-                fixed_noise_loss(predict, sample, layout, grid, sigma, noise_seed(seed, i, j))
+                fixed_noise_loss(predict, sample, layout, grid, sigma, noise_seed(seed, i, j), noise_scaling)
             )
     return total / (len(samples) * len(sigmas))

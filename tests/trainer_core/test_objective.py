@@ -123,3 +123,21 @@ def test_caption_dropout():
     assert drop.tolist() == [True, False, False]
     texts = [("a", 1), ("b", 2), ("c", 3)]
     assert apply_caption_dropout(texts, ("", 0), drop) == [("", 0), ("b", 2), ("c", 3)]
+
+
+def test_the_models_own_noise_scaling_mixes_the_input():
+    """A model's mixing (ComfyUI's model_sampling.noise_scaling) builds x_t; the target stays
+    noise - x0. The flow models' formula gives exactly the built-in one."""
+    gen = torch.Generator().manual_seed(3)
+    x0, noise = torch.randn(2, 4, 3, generator=gen), torch.randn(2, 4, 3, generator=gen)
+    sigma = torch.tensor([0.25, 0.75])
+
+    def flow(s, n, x):  # ComfyUI's CONST.noise_scaling
+        s = s.view(-1, 1, 1)
+        return s * n + (1.0 - s) * x
+
+    ours, target = noisy_input(x0, noise, sigma)
+    theirs, same_target = noisy_input(x0, noise, sigma, noise_scaling=flow)
+    assert torch.equal(ours, theirs) and torch.equal(target, same_target)
+    doubled, _ = noisy_input(x0, noise, sigma, noise_scaling=lambda s, n, x: 2 * flow(s, n, x))
+    assert torch.equal(doubled, 2 * ours)  # what the model gives is what is used

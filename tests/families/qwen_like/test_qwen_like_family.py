@@ -96,6 +96,15 @@ def test_a_family_in_its_own_folder_trains_one_step_with_guard_checkpointing_and
     monkeypatch.setattr(swapper_type, "_move", move)
     monkeypatch.setattr(block_type, "forward", forward)
     monkeypatch.setattr(model_type, "forward", model_forward)
+    import comfy.model_sampling
+
+    mixed, real_scaling = [], comfy.model_sampling.CONST.noise_scaling
+
+    def noise_scaling(sampling, sigma, noise, latent, *args, **kwargs):
+        mixed.append(sigma.flatten().tolist())
+        return real_scaling(sampling, sigma, noise, latent, *args, **kwargs)
+
+    monkeypatch.setattr(comfy.model_sampling.CONST, "noise_scaling", noise_scaling)
     result = train(pack, dataset, "qwen_like_one_step")
 
     (loss,) = result.ui["loss"]
@@ -105,6 +114,8 @@ def test_a_family_in_its_own_folder_trains_one_step_with_guard_checkpointing_and
     # the step's model call got ComfyUI's timestep for its sigma (x 1000 for this model), the
     # probes' their own 0.5
     assert timesteps[:3] == [0.5, 0.5, 0.5] and 1.0 < timesteps[-1] < 1000.0, timesteps
+    # and its noisy input was mixed by the model's own model_sampling, at that noise level
+    assert len(mixed) == 1 and timesteps[-1] == pytest.approx(1000 * mixed[0][0], rel=1e-6)
     # block swap: the family's order takes the last block; it leaves at the start, and visits
     # the compute device for the step's forward and for its recompute in backward
     depth = CONFIG["depth"]
