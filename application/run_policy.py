@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from ..trainer_core.checkpoint import all_checkpoints
+from ..trainer_core.checkpoint import all_checkpoints, checkpoint_problem
 from ..trainer_core.run_files import LoraPaths, snapshot_steps
 
 NO_RESUME = "none"
@@ -18,6 +18,7 @@ NO_START = "none"
 CHECKPOINTS_FOLDER = "kontext_trainer_checkpoints"  # under ComfyUI's output folder
 LEGACY = "models/loras/"  # resume_from prefix of checkpoints kept among the LoRAs (before 5263cc3)
 LOGGER = logging.getLogger("kontext_trainer")
+_warned_damaged: set[str] = set()
 
 
 def loras_dir() -> Path:
@@ -44,7 +45,7 @@ def legacy_checkpoints() -> list[str]:
     root = loras_dir()
     found = []
     for folder in sorted(root.glob("*_checkpoints")) if root.is_dir() else []:
-        found += [LEGACY + p.relative_to(root).as_posix() for p in all_checkpoints(folder)]
+        found += [LEGACY + p.relative_to(root).as_posix() for p in resumable(all_checkpoints(folder))]
     if found and not _warned_legacy:
         _warned_legacy = True
         LOGGER.warning(
@@ -57,13 +58,27 @@ def legacy_checkpoints() -> list[str]:
 
 
 def resume_choices() -> list[str]:
-    """Every checkpoint, as `<name>/<run>/step_NNNNNN` (plus any in the old folders)."""
+    """Every checkpoint that can be resumed, as `<name>/<run>/step_NNNNNN` (plus any in the old
+    folders); a damaged one is left out, and the log says which file is damaged."""
     root = checkpoints_root()
     found = []
     if root.is_dir():
         for folder in sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".")):
-            found += [path.relative_to(root).as_posix() for path in all_checkpoints(folder)]
+            found += [path.relative_to(root).as_posix() for path in resumable(all_checkpoints(folder))]
     return [NO_RESUME, *found, *legacy_checkpoints()]
+
+
+def resumable(checkpoints: list[Path]) -> list[Path]:
+    """The checkpoints without a damaged file; each damaged one is named in the log once."""
+    kept = []
+    for path in checkpoints:
+        problem = checkpoint_problem(path)
+        if problem is None:
+            kept.append(path)
+        elif str(path) not in _warned_damaged:
+            _warned_damaged.add(str(path))
+            LOGGER.warning("Kontext Trainer: not offered in resume_from: %s", problem)
+    return kept
 
 
 def start_choices() -> list[str]:
@@ -99,8 +114,6 @@ def resolve_resume(choice: str) -> Path | None:
     if not path.is_dir():
         raise ValueError(f"resume_from: there is no checkpoint '{choice}' (any more); pick another or 'none'")
     return path
-
-
 
 
 def check_existing(paths: LoraPaths, overwrite: bool, resuming: bool = False) -> bool:

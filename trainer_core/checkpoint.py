@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .atomic import fsync_file, new_temp_folder
 from .lora_file import LoraModule, from_state_dict, load, save_atomic
@@ -114,15 +115,62 @@ def save_checkpoint(
     return final
 
 
+TENSOR_FILES = ("lora.safetensors", "optimizer.safetensors", "rng.safetensors")
+
+
 def read_state(path: Path) -> dict:
     """A checkpoint's state.json (step, losses, config): enough to check a resume before
-    anything heavy is loaded. Names the folder and what is missing when it is incomplete."""
+    anything heavy is loaded. Names the folder and what is missing when it is incomplete
+    (FileNotFoundError), the file and what is wrong when one is damaged (ValueError)."""
     path = Path(path)
-    needed = ["lora.safetensors", "optimizer.safetensors", "rng.safetensors", "state.json"]
-    missing = [name for name in needed if not (path / name).is_file()]
+    missing = [name for name in (*TENSOR_FILES, "state.json") if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
-    return json.loads((path / "state.json").read_text(encoding="utf-8"))
+    state_file = path / "state.json"
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(_damaged(state_file, f"it is not readable JSON ({error})")) from None
+    wanted = {"step": int, "losses": list, "config": dict, "optimizer": dict}
+    wrong = [
+        key
+        for key, kind in wanted.items()
+        if not isinstance(state, dict) or not isinstance(state.get(key), kind)
+    ]
+    if wrong:
+        raise ValueError(_damaged(state_file, f"it lacks {', '.join(wrong)}"))
+    for name in TENSOR_FILES:  # their headers (offsets checked against the file's size)
+        try:
+            with safe_open(str(path / name), framework="pt") as handle:
+                handle.keys()
+        except Exception as error:  # safetensors raises its own error types for damaged files
+            raise ValueError(
+                _damaged(path / name, f"it is not a readable safetensors file ({error})")
+            ) from None
+    return state
+
+
+def checkpoint_problem(path: Path) -> str | None:
+    """Why the checkpoint at `path` cannot be resumed (a missing or damaged file, named), or
+    None. Reads state.json and the tensor files' headers only."""
+    try:
+        read_state(path)
+    except (FileNotFoundError, ValueError) as error:
+        return str(error)
+    return None
+
+
+def _damaged(file: Path, what: str) -> str:
+    return f"{file}: {what}; the checkpoint is damaged: resume another one (or none)"
+
+
+def _finite(file: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors`, or a ValueError naming the file and a tensor with NaN or infinite values (a
+    run that diverged before it was saved must not go on from there)."""
+    for key, tensor in tensors.items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise ValueError(_damaged(file, f"{key} holds NaN or infinite values"))
+    return tensors
 
 
 def _ordinary(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -138,9 +186,9 @@ def load_checkpoint(path: Path, module_names: Sequence[str]) -> Checkpoint:
     `module_names`: the model's Linear layers, whose kohya names the LoRA file holds."""
     path = Path(path)
     state = read_state(path)
-    lora_tensors, _ = load(path / "lora.safetensors")
-    optimizer_tensors, _ = load(path / "optimizer.safetensors")
-    rng, _ = load(path / "rng.safetensors")
+    lora_tensors, optimizer_tensors, rng = (_read_tensors(path / name) for name in TENSOR_FILES)
+    _finite(path / "lora.safetensors", lora_tensors)
+    _finite(path / "optimizer.safetensors", optimizer_tensors)
     return Checkpoint(
         path,
         int(state["step"]),
@@ -151,6 +199,13 @@ def load_checkpoint(path: Path, module_names: Sequence[str]) -> Checkpoint:
         _ordinary(rng),
         [(int(s), float(v)) for s, v in state.get("validation", [])],
     )
+
+
+def _read_tensors(file: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load(file)[0]
+    except Exception as error:  # a file damaged after its header was read
+        raise ValueError(_damaged(file, f"it is not a readable safetensors file ({error})")) from None
 
 
 def list_checkpoints(folder: Path) -> list[Path]:

@@ -220,6 +220,7 @@ def _pairs(path: Path, state, metadata, names: list[str], diffusers: dict[str, P
             alpha = peft_alpha(stem[len("transformer.") :], down.shape[0])
         else:
             alpha = float(down.shape[0])
+        _check_values(path, key, stem + up_suffix, down, up, f"{stem}.alpha", alpha)
         pairs.append(_Pair(stem, down, up, alpha, place))
     if not pairs:
         few = ", ".join(seen[:5]) or "none"
@@ -228,6 +229,26 @@ def _pairs(path: Path, state, metadata, names: list[str], diffusers: dict[str, P
             f"a LoRA file for it (keys like {_examples(names, diffusers)})"
         )
     return pairs
+
+
+def _check_values(path: Path, down_key: str, up_key: str, down, up, alpha_key: str, alpha: float) -> None:
+    """A start LoRA's factors are finite and its alpha a finite, non-zero number (alpha 0 scales
+    the LoRA to nothing), or a ValueError naming the file and the key."""
+    for key, tensor in ((down_key, down), (up_key, up)):
+        if not bool(torch.isfinite(tensor).all()):
+            raise ValueError(
+                f"{path}: {key} holds NaN or infinite values (the LoRA is damaged, or its training "
+                "diverged); choose another file"
+            )
+    if not math.isfinite(alpha):
+        raise ValueError(
+            f"{path}: {alpha_key} is {alpha}; an alpha must be a finite number: choose another file"
+        )
+    if alpha == 0:
+        raise ValueError(
+            f"{path}: {alpha_key} is 0, so the LoRA's scale alpha / rank is 0 and it changes nothing; "
+            "choose another file, or start from none"
+        )
 
 
 def _peft_alphas(path: Path, metadata: Mapping[str, str]):

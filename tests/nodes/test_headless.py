@@ -241,3 +241,47 @@ def test_a_model_that_cannot_train_the_run_is_blamed_on_the_model_section(files)
         result.stderr
     )
     assert "Traceback" not in result.stderr
+
+
+def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_file(uninterrupted, files, tmp_path):
+    import shutil
+
+    (good,) = [c for c in checkpoints(files.base, "full") if c.name == f"step_{STEPS:06d}"]
+    damaged = tmp_path / "step_copy"
+    shutil.copytree(good, damaged)
+    state = damaged / "state.json"
+    state.write_text(state.read_text()[:40])  # cut short by a crash
+    config = write_config(
+        files.root / "damaged.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "damaged", "resume_from": str(damaged)},
+    )
+    result = run(command(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"{state}: it is not readable JSON" in result.stderr and "resume another one" in result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "loading the model files" not in result.stdout  # refused before anything loads
+
+
+def test_a_start_lora_with_nan_weights_is_named_not_blamed_on_comfyui(files, tmp_path):
+    from safetensors.torch import save_file
+
+    lora = tmp_path / "diverged.safetensors"
+    stem = "lora_unet_double_blocks_0_img_attn_qkv"
+    down, up = torch.zeros(TRAIN["rank"], 64), torch.zeros(192, TRAIN["rank"])
+    down[0, 0] = float("nan")
+    save_file({f"{stem}.lora_down.weight": down, f"{stem}.lora_up.weight": up}, str(lora))
+    config = write_config(
+        files.root / "nan_start.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "nan_start", "steps": 2, "start_from_lora": str(lora)},
+    )
+    result = run(command(config))
+    assert result.returncode != 0, result.stdout + result.stderr
+    assert f"{lora}: {stem}.lora_down.weight holds NaN or infinite values" in result.stderr, result.stderr
+    assert "cannot train on this ComfyUI" not in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr

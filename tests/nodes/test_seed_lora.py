@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -363,3 +364,29 @@ def test_not_safetensors_or_damaged(tmp_path):
     damaged.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json")
     with pytest.raises(ValueError, match=r"damaged\.safetensors could not be read as a safetensors file"):
         read(damaged)
+
+
+@pytest.mark.parametrize(
+    ("bad", "says"),
+    [
+        ("nan", r"lora_unet_double_blocks_0_img_attn_proj\.lora_down\.weight holds NaN or infinite values"),
+        ("inf", r"lora_unet_double_blocks_0_img_attn_proj\.lora_up\.weight holds NaN or infinite values"),
+        ("alpha_nan", r"lora_unet_double_blocks_0_img_attn_proj\.alpha is nan; an alpha must be a finite"),
+        ("alpha_0", r"lora_unet_double_blocks_0_img_attn_proj\.alpha is 0, so the LoRA's scale"),
+    ],
+)
+def test_a_start_lora_with_bad_values_is_refused_naming_the_file_and_key(tmp_path, bad, says):
+    """Not a ComfyUI problem (the guard would blame ComfyUI), and not a silent run that changes
+    nothing (alpha 0): the file and its key are named."""
+    stem = "lora_unet_double_blocks_0_img_attn_proj"
+    state = pair(stem, H, H, down=".lora_down.weight", up=".lora_up.weight")
+    state[f"{stem}.alpha"] = torch.tensor(2.0)
+    if bad == "nan":
+        state[f"{stem}.lora_down.weight"][0, 0] = float("nan")
+    elif bad == "inf":
+        state[f"{stem}.lora_up.weight"][1, 1] = float("inf")
+    else:
+        state[f"{stem}.alpha"] = torch.tensor(float("nan") if bad == "alpha_nan" else 0.0)
+    path = write(tmp_path, state)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}: {says}"):
+        read(path)

@@ -201,6 +201,26 @@ def test_checkpoints_of_the_old_folders_still_resume(mods, dataset):
         shutil.rmtree(legacy.parent)
 
 
+def test_a_damaged_checkpoint_is_not_offered_and_is_refused_by_file(mods, dataset, caplog):
+    """A checkpoint whose optimizer file a crash truncated: resume_from no longer lists it (the
+    log names the file), and a prompt that still names it is refused in one line naming the
+    file, before anything trains (the command line: tests/nodes/test_headless.py)."""
+    train(mods, dataset, "kt_damaged", steps=2, save_every=1, seed=2)
+    run = next(checkpoints_dir("kt_damaged").iterdir())
+    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_damaged/")]
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000001", "step_000002"]
+    broken = run / "step_000001" / "optimizer.safetensors"
+    broken.write_bytes(broken.read_bytes()[:100])
+    with caplog.at_level("WARNING", logger="kontext_trainer"):
+        choices = [c for c in mods.node.resume_choices() if c.startswith("kt_damaged/")]
+    assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000002"]
+    assert f"not offered in resume_from: {broken}: it is not a readable safetensors file" in caplog.text
+    # a prompt that still names it (queued before, or by API) is refused in one line naming it
+    message = rf"^{re.escape(str(broken))}: it is not a readable safetensors file .* resume another one"
+    with pytest.raises(ValueError, match=message):
+        train(mods, dataset, "kt_damaged_b", resume=f"kt_damaged/{run.name}/step_000001", steps=2)
+
+
 def test_runs_under_one_name_keep_their_own_checkpoints(mods, dataset):
     train(mods, dataset, "kt_two_runs", steps=4, save_every=1, keep_last=2)
     train(mods, dataset, "kt_two_runs", overwrite=True, steps=2, save_every=1, keep_last=2)

@@ -12,10 +12,12 @@ from PIL import Image
 
 from trainer_core.checkpoint import (
     all_checkpoints,
+    checkpoint_problem,
     list_checkpoints,
     load_checkpoint,
     new_run_folder,
     prune,
+    read_state,
     save_checkpoint,
 )
 from trainer_core.lora_file import LoraModule, load, save_atomic
@@ -179,3 +181,43 @@ def test_files_follow_the_umask(tmp_path):
         assert stat.S_IMODE((path / name).stat().st_mode) == 0o644, name
     assert stat.S_IMODE(chart.stat().st_mode) == 0o644
     assert stat.S_IMODE(strict.stat().st_mode) == 0o640
+
+
+def saved(tmp_path, nan_in_optimizer=False):
+    lora, optimizer, rng = state()
+    if nan_in_optimizer:
+        next(iter(optimizer.state.values()))["exp_avg"][0, 0] = float("nan")
+    return save_checkpoint(tmp_path / "ckpt", 3, lora, optimizer, rng, [1.0, 0.5, 0.25], {"rank": 2}), lora
+
+
+@pytest.mark.parametrize(
+    ("file", "damage", "says"),
+    [
+        ("state.json", b"", "it is not readable JSON"),
+        ("state.json", b'{"step": 3, "loss', "it is not readable JSON"),
+        ("state.json", b'{"step": 3}', "it lacks losses, config, optimizer"),
+        ("lora.safetensors", None, "it is not a readable safetensors file"),
+        ("optimizer.safetensors", None, "it is not a readable safetensors file"),
+        ("rng.safetensors", None, "it is not a readable safetensors file"),
+    ],
+    ids=["empty-state", "truncated-state", "state-without-keys", "lora", "optimizer", "rng"],
+)
+def test_a_damaged_checkpoint_names_its_broken_file(tmp_path, file, damage, says):
+    path, lora = saved(tmp_path)
+    assert checkpoint_problem(path) is None
+    target = path / file
+    data = target.read_bytes()
+    target.write_bytes(data[: len(data) // 2] if damage is None else damage)  # truncated by a crash
+    expected = f"{target}: {says}"
+    assert checkpoint_problem(path).startswith(expected)
+    for read in (read_state, lambda p: load_checkpoint(p, list(lora))):
+        with pytest.raises(ValueError) as error:
+            read(path)
+        assert str(error.value).startswith(expected) and "resume another one" in str(error.value)
+
+
+def test_a_checkpoint_with_non_finite_optimizer_state_is_refused_when_loaded(tmp_path):
+    path, lora = saved(tmp_path, nan_in_optimizer=True)
+    message = r"optimizer\.safetensors: state\.\d+\.exp_avg holds NaN or infinite"
+    with pytest.raises(ValueError, match=message):
+        load_checkpoint(path, list(lora))
