@@ -139,7 +139,13 @@ def _config_base_directory(path: Path) -> Path:
     from ..trainer_core.run_config import load_run_config
 
     try:
-        return load_run_config(path).base_directory
+        base = load_run_config(path).base_directory
+        if not base.is_dir():  # before the boot, which would create ComfyUI's folders in it
+            raise ValueError(
+                f"{path}: [comfyui] base_directory: {base} does not exist; give your ComfyUI base "
+                "directory (the folder with models/, input/ and output/)"
+            )
+        return base
     except (OSError, ValueError) as error:
         print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

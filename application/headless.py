@@ -17,6 +17,7 @@ and writes the files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -85,15 +86,34 @@ def load_models_stock(files: ModelFiles):
     """(MODEL, VAE, CLIP) exactly as UNETLoader, VAELoader and CLIPLoader / DualCLIPLoader load
     them in a workflow."""
     unet = _model_file(files.diffusion_model, "diffusion_models", "diffusion_model")
-    (model,) = node_class("UNETLoader")().load_unet(unet, files.weight_dtype)
-    (vae,) = node_class("VAELoader")().load_vae(_model_file(files.vae, "vae", "vae"))
+    with _loading("diffusion_model", files.diffusion_model, "UNETLoader"):
+        (model,) = node_class("UNETLoader")().load_unet(unet, files.weight_dtype)
+    with _loading("vae", files.vae, "VAELoader"):
+        (vae,) = node_class("VAELoader")().load_vae(_model_file(files.vae, "vae", "vae"))
     encoders = [_model_file(name, "text_encoders", "text_encoders") for name in files.text_encoders]
-    if len(encoders) == 1:
-        (clip,) = node_class("CLIPLoader")().load_clip(encoders[0], files.clip_type, files.clip_device)
-    else:
-        loader = node_class("DualCLIPLoader")()
-        (clip,) = loader.load_clip(*encoders, files.clip_type, files.clip_device)
+    with _loading("text_encoders", ", ".join(files.text_encoders), "the CLIP loader"):
+        if len(encoders) == 1:
+            (clip,) = node_class("CLIPLoader")().load_clip(encoders[0], files.clip_type, files.clip_device)
+        else:
+            loader = node_class("DualCLIPLoader")()
+            (clip,) = loader.load_clip(*encoders, files.clip_type, files.clip_device)
     return model, vae, clip
+
+
+@contextlib.contextmanager
+def _loading(key: str, value: str, loader: str):
+    """A file ComfyUI's loader cannot load (not a model, damaged, another kind of model) in one
+    line naming the key and the file, instead of the loader's traceback."""
+    try:
+        yield
+    except (MemoryError, torch.OutOfMemoryError, KeyboardInterrupt):
+        raise
+    except Exception as error:
+        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise ValueError(
+            f"[model] {key}: {loader} could not load {value} ({first}); is it the right kind of model "
+            "file, and complete?"
+        ) from None
 
 
 # --- 2) the dataset -----------------------------------------------------------------------------

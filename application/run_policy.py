@@ -166,5 +166,10 @@ def start_file(choice: str) -> Path | None:
     if choice not in ("", NO_START) and path.is_absolute():
         if not path.is_file():
             raise ValueError(f"[train] start_from_lora: {path} does not exist; give a LoRA file")
+        if path.suffix.lower() != ".safetensors":
+            raise ValueError(
+                f"[train] start_from_lora: {path} is not a .safetensors file; only safetensors LoRAs "
+                "can start a run (pickled .ckpt / .pt files are not read)"
+            )
         return path
     return resolve_start(choice)

@@ -28,8 +28,13 @@ def toml_value(value) -> str:
     return repr(value)
 
 
-def write_config(path: Path, base: Path, dataset: Path, cache: Path, train: dict, **dataset_changes) -> Path:
-    """A run config written by hand (not by the code under test)."""
+def write_config(
+    path: Path, base: Path, dataset: Path, cache: Path, train: dict, create_base=True, **dataset_changes
+) -> Path:
+    """A run config written by hand (not by the code under test), for the ComfyUI base directory
+    `base` (made here, as a user's exists, unless `create_base` is off)."""
+    if create_base:
+        Path(base).mkdir(parents=True, exist_ok=True)
     sections = {
         "comfyui": {"base_directory": str(base)},
         "model": {

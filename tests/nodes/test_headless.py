@@ -285,3 +285,35 @@ def test_a_start_lora_with_nan_weights_is_named_not_blamed_on_comfyui(files, tmp
     assert f"{lora}: {stem}.lora_down.weight holds NaN or infinite values" in result.stderr, result.stderr
     assert "cannot train on this ComfyUI" not in result.stderr + result.stdout
     assert "Traceback" not in result.stderr
+
+
+def test_a_missing_base_directory_is_refused_first_and_nothing_is_created(files, tmp_path):
+    missing = tmp_path / "no_such_comfyui"
+    config = write_config(
+        files.root / "no_base.toml",
+        missing,
+        files.dataset,
+        files.cache,
+        {"lora_name": "x"},
+        create_base=False,
+    )
+    result = run(command(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"[comfyui] base_directory: {missing} does not exist" in result.stderr, result.stderr
+    assert not missing.exists()  # the boot did not make ComfyUI's folders in it
+
+
+def test_a_start_lora_that_is_not_safetensors_is_refused_before_anything_loads(files, tmp_path):
+    pickled = tmp_path / "old.ckpt"
+    pickled.write_bytes(b"not read")
+    config = write_config(
+        files.root / "ckpt_start.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "ckpt_start", "start_from_lora": str(pickled)},
+    )
+    result = run(command(config))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"[train] start_from_lora: {pickled} is not a .safetensors file" in result.stderr
+    assert "loading the model files" not in result.stdout

@@ -96,3 +96,24 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
         metadata = handle.metadata()
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys  # the 3072-wide model's
     assert metadata["ss_output_name"] == "kontext_demo_lora"
+
+
+def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):
+    """`[model] diffusion_model` pointing at an existing file that is no model (the user's
+    mistake): one line naming the key and the file, not the loader's traceback."""
+    config = tmp_path / "run.toml"
+    result = trainer_core(
+        "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(base), "-o", str(config)
+    )
+    assert result.returncode == 0, result.stderr
+    notes = tmp_path / "notes.txt"
+    notes.write_text("root:x:0:0:root:/root:/bin/bash\n")
+    text = config.read_text().replace(
+        'diffusion_model = "kontext-trainer-demo-flux.safetensors"',
+        f"diffusion_model = {json.dumps(str(notes))}",
+    )
+    config.write_text(text)
+    result = trainer_core("train", "--config", str(config), "--cpu", timeout=300)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert f"[model] diffusion_model: UNETLoader could not load {notes} (" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
