@@ -70,7 +70,9 @@ class PreparedRun:
     def check_resume(self, dataset) -> None:
         """A resume continues this run exactly: same settings, dataset and processes."""
         if self.state is not None:
-            check_resume(self.state, self.config, dataset.content_hash, self.run.world_size)
+            check_resume(
+                self.state, self.config, dataset.content_hash, self.run.world_size, dataset.held_out_hash
+            )
 
     def check_model(self, model, dataset) -> None:
         """The model can train this dataset with this config (family, layout, quantization)."""

@@ -167,7 +167,7 @@ class TrainingRun:
         self.held_out = self.samples.held_out()
         self.tracker = start_tracking(job, config, resume, self.preview, validates=bool(self.held_out))
         self.estimate = announce_estimate(job, self.tracker, model, dataset, config, self.paths)
-        record = run_record(config, dataset.content_hash, run.world_size)
+        record = run_record(config, dataset.content_hash, run.world_size, dataset.held_out_hash)
         if resume is not None:
             record["resumed_from"] = str(resume.path)
         # data parallel: global batches of world_size x batch_size, each process trains its rows

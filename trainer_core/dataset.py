@@ -80,6 +80,12 @@ class KontextDataset:
             [(e.name, e.target_key, e.reference_keys, e.text_key) for e in self.entries + self.held_out]
         )[:16]
 
+    @property
+    def held_out_hash(self) -> str:
+        """Identifies which samples are held out: `content_hash` cannot (it hashes the training
+        and held-out samples in one sequence, so holding out the last sample keeps it)."""
+        return cache_key(["held out", *(e.name for e in self.held_out)])[:16]
+
     def buckets(self) -> dict[tuple[int, int], list[int]]:
         """Training entries grouped by target size (their aspect bucket)."""
         return assign_buckets([e.target_size for e in self.entries], resolution=0)

@@ -14,27 +14,33 @@ from .config import TrainConfig
 RESUME_MUST_MATCH = (
     *(f.name for f in dataclasses.fields(TrainConfig) if f.metadata["must_match"]),
     "dataset_hash",
+    "held_out",  # which samples are held out (not in checkpoints written before it was recorded)
     "world_size",  # data-parallel processes: the global batch and the saved RNGs are per process
 )
 _DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, "world_size": 1}
 
 
-def run_record(config: TrainConfig, dataset_hash: str, world_size: int = 1) -> dict:
+def run_record(
+    config: TrainConfig, dataset_hash: str, world_size: int = 1, held_out: str | None = None
+) -> dict:
     """What a checkpoint remembers of its run (compared on resume), as plain JSON values (a
-    choice as its string)."""
+    choice as its string). `held_out`: the dataset's `held_out_hash`."""
     record = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    return {**record, "dataset_hash": dataset_hash, "world_size": world_size}
+    return {**record, "dataset_hash": dataset_hash, "held_out": held_out, "world_size": world_size}
 
 
-
-def check_resume(state: dict, config: TrainConfig, dataset_hash: str, world_size: int = 1) -> None:
+def check_resume(
+    state: dict, config: TrainConfig, dataset_hash: str, world_size: int = 1, held_out: str | None = None
+) -> None:
     """Refuse a resume that could not continue the checkpoint's run exactly. `state`: the
     checkpoint's state.json (`checkpoint.read_state`). A setting a checkpoint predates counts
     as its default (what that run trained with). `world_size`: the data-parallel processes
     of this run (1 in the graph)."""
-    current = run_record(config, dataset_hash, world_size)
+    current = run_record(config, dataset_hash, world_size, held_out)
     saved, step = state["config"], int(state["step"])
     for name in RESUME_MUST_MATCH:
+        if name not in saved and name not in _DEFAULTS:  # recorded since; the checkpoint cannot say
+            continue
         before = saved.get(name, _DEFAULTS.get(name))
         if before != current[name]:
             if name == "world_size":
@@ -43,6 +49,12 @@ def check_resume(state: dict, config: TrainConfig, dataset_hash: str, world_size
                     f"and this run has {world_size}; resume it with {before} in all (torchrun "
                     f"--nnodes x --nproc_per_node = {before}; 1 is a plain run or the graph), as the "
                     "global batch and each process's random state belong to that number"
+                )
+            if name == "held_out":
+                raise ValueError(
+                    "resume_from: the checkpoint's run held out other samples for validation "
+                    "(LoadKontextDataset's hold_out or seed changed); set them back to resume, as a "
+                    "resumed run must train on the same samples"
                 )
             if name == "dataset_hash":
                 raise ValueError(

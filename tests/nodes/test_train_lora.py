@@ -39,13 +39,22 @@ def mods(pack_import):
 
 
 @pytest.fixture(scope="module")
-def dataset(mods, tmp_path_factory):
+def dataset_files(tmp_path_factory):
     root = write_one_folder(
         tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=1, size=(64, 64)
     )
+    return root, str(tmp_path_factory.mktemp("cache"))
+
+
+def load_dataset(dataset_files, **options):
     vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2))
-    inputs = dataset_inputs(vae, clip, root, str(tmp_path_factory.mktemp("cache")))
+    inputs = {**dataset_inputs(vae, clip, *dataset_files), **options}
     return run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
+
+
+@pytest.fixture(scope="module")
+def dataset(mods, dataset_files):
+    return load_dataset(dataset_files)
 
 
 def settings(mods, **overrides):
@@ -219,6 +228,25 @@ def test_a_damaged_checkpoint_is_not_offered_and_is_refused_by_file(mods, datase
     message = rf"^{re.escape(str(broken))}: it is not a readable safetensors file .* resume another one"
     with pytest.raises(ValueError, match=message):
         train(mods, dataset, "kt_damaged_b", resume=f"kt_damaged/{run.name}/step_000001", steps=2)
+
+
+def test_a_resume_on_another_hold_out_is_refused_even_when_the_dataset_hash_is_the_same(
+    mods, dataset, dataset_files
+):
+    """Holding out the dataset's last sample keeps its content hash (training and held-out
+    samples hash as one sequence), yet the resumed run would train on one sample fewer and
+    validate on one it trained on: refused by name."""
+    import torch
+
+    last_only = [
+        s for s in range(100) if torch.randperm(3, generator=torch.Generator().manual_seed(s))[0] == 2
+    ]
+    held_out = load_dataset(dataset_files, hold_out=1, seed=last_only[0])  # holds out c, the last
+    assert held_out.content_hash == dataset.content_hash and held_out.held_out_hash != dataset.held_out_hash
+    train(mods, dataset, "kt_hold_out", steps=2, save_every=1, seed=2)
+    (first, _) = [c for c in mods.node.resume_choices() if c.startswith("kt_hold_out/")]
+    with pytest.raises(ValueError, match="held out other samples for validation"):
+        train(mods, held_out, "kt_hold_out_b", resume=first, steps=2, save_every=1, seed=2)
 
 
 def test_runs_under_one_name_keep_their_own_checkpoints(mods, dataset):

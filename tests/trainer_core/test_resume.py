@@ -36,7 +36,7 @@ CHANGED = {
 
 
 def test_every_setting_that_shapes_the_run_must_match():
-    assert set(CHANGED) | {"dataset_hash", "world_size"} == set(RESUME_MUST_MATCH)
+    assert set(CHANGED) | {"dataset_hash", "held_out", "world_size"} == set(RESUME_MUST_MATCH)
     saved = state_of(TrainConfig(steps=4), 2)
     check_resume(saved, TrainConfig(steps=8, learning_rate=5e-5), "d1")  # others may change
     for name, value in CHANGED.items():
@@ -92,3 +92,13 @@ def test_continuing_a_finished_run_with_more_steps_follows_the_longer_schedule()
     train(longer, [weight], lambda i: 1.0, loss_fn, lambda info: rates.append(info.learning_rate), resume)
     assert rates == pytest.approx([0.1 * lr_multiplier(k, 8, 0, "cosine") for k in range(4, 8)])
     assert rates[0] == pytest.approx(0.05)  # back up from the first run's last rate (0.1 x 0.146)
+
+
+def test_a_changed_hold_out_is_refused_and_older_checkpoints_are_not():
+    saved = {"config": run_record(TrainConfig(steps=4), "d1", held_out="h1"), "step": 2}
+    check_resume(saved, TrainConfig(steps=8), "d1", held_out="h1")
+    with pytest.raises(ValueError, match="held out other samples for validation"):
+        check_resume(saved, TrainConfig(steps=8), "d1", held_out="h2")
+    # a checkpoint written before the split was recorded cannot say: its dataset hash decides
+    older = {"config": {k: v for k, v in saved["config"].items() if k != "held_out"}, "step": 2}
+    check_resume(older, TrainConfig(steps=8), "d1", held_out="h2")
