@@ -149,6 +149,7 @@ def test_the_command_line_loads_every_module_of_the_pack_once(tmp_path):
     service, the adapter, the nodes through the pack's entry point); no file of the pack is
     loaded as two module objects (before, 16 trainer_core modules existed twice)."""
     config = tmp_path / "run.toml"
+    (tmp_path / "base").mkdir()  # a ComfyUI base directory exists (a missing one is refused)
     config.write_text(
         "[comfyui]\nbase_directory = " + json.dumps(str(tmp_path / "base")) + "\n"
         '[model]\ndiffusion_model = "m.safetensors"\nvae = "v.safetensors"\n'

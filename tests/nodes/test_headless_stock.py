@@ -6,6 +6,7 @@ stock-loadable demo models, and the config becomes an API workflow again."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -112,6 +113,7 @@ def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):
         'diffusion_model = "kontext-trainer-demo-flux.safetensors"',
         f"diffusion_model = {json.dumps(str(notes))}",
     )
+    text = re.sub(r'(?m)^lora_name = ".*"$', 'lora_name = "not_a_model"', text)  # a name no run took
     config.write_text(text)
     result = trainer_core("train", "--config", str(config), "--cpu", timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
