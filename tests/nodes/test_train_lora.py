@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kt_testing.datasets import write_one_folder
-from kt_testing.executor import InGraph, run_node
+from kt_testing.executor import InGraph, PromptRejected, run_node
 from kt_testing.graphs import dataset_inputs, preview_inputs
 from kt_testing.paths import REPO_ROOT
 from kt_testing.probes import model_output
@@ -224,10 +224,17 @@ def test_a_damaged_checkpoint_is_not_offered_and_is_refused_by_file(mods, datase
         choices = [c for c in mods.node.resume_choices() if c.startswith("kt_damaged/")]
     assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000002"]
     assert f"not offered in resume_from: {broken}: it is not a readable safetensors file" in caplog.text
-    # a prompt that still names it (queued before, or by API) is refused in one line naming it
+    # a prompt that still names it (queued before, or by API) is refused before anything trains:
+    # by ComfyUI's validation where it checks the choice against the list (0.33), else by the
+    # run in one line naming the file (0.3.75)
     message = rf"^{re.escape(str(broken))}: it is not a readable safetensors file .* resume another one"
-    with pytest.raises(ValueError, match=message):
+    with pytest.raises((ValueError, PromptRejected)) as refused:
         train(mods, dataset, "kt_damaged_b", resume=f"kt_damaged/{run.name}/step_000001", steps=2)
+    if isinstance(refused.value, PromptRejected):
+        assert "resume_from" in str(refused.value) and "not in" in str(refused.value)
+    else:
+        assert re.search(message, str(refused.value)), refused.value
+    assert not (loras_dir() / "kt_damaged_b.safetensors").exists()
 
 
 def test_a_resume_on_another_hold_out_is_refused_even_when_the_dataset_hash_is_the_same(
