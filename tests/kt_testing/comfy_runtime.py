@@ -61,6 +61,17 @@ def from_the_pack(name: str) -> ModuleType:
     return importlib.import_module(f"{_RUNTIME.pack_module_name}.{name}")
 
 
+class LazyPackModule:
+    """One of the pack's modules, looked up when a test uses it (ComfyUI is booted by then):
+    for module-level names of test files collected before the boot."""
+
+    def __init__(self, name: str):
+        self._name = name
+
+    def __getattr__(self, attribute):
+        return getattr(from_the_pack(self._name), attribute)
+
+
 def boot(base_dir: Path, options: dict | None = None) -> ComfyRuntime:
     """`options`: more of ComfyUI's command-line options (`comfy.cli_args.args` attributes,
     e.g. `use_pytorch_cross_attention`), set before anything reads them."""

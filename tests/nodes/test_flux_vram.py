@@ -9,18 +9,9 @@ from __future__ import annotations
 
 import pytest
 
-from kt_testing.comfy_runtime import from_the_pack
+from kt_testing.comfy_runtime import LazyPackModule
 
-
-class _FluxVram:
-    """The Flux family's estimate (comfy_adapter/families/flux/vram.py) as ComfyUI loaded the
-    pack, looked up when a test runs (ComfyUI is booted by then)."""
-
-    def __getattr__(self, name):
-        return getattr(from_the_pack("comfy_adapter.families.flux.vram"), name)
-
-
-vram = _FluxVram()
+vram = LazyPackModule("comfy_adapter.families.flux.vram")  # the Flux family's estimate
 
 
 def flux():

@@ -17,7 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from kt_testing.comfy_runtime import from_the_pack
+from kt_testing.comfy_runtime import LazyPackModule
 from kt_testing.paths import REPO_ROOT
 from kt_testing.tiny_models import TINY_FLUX_CONFIG
 
@@ -25,15 +25,7 @@ SMALL, LARGE = 48, 96  # latent sizes: 576 and 2304 image tokens
 TEXT_TOKENS = 5  # the tiny samples' context length
 
 
-class _FluxVram:
-    """The Flux family's estimate (comfy_adapter/families/flux/vram.py) as ComfyUI loaded the
-    pack, looked up when a test runs (ComfyUI is booted by then)."""
-
-    def __getattr__(self, name):
-        return getattr(from_the_pack("comfy_adapter.families.flux.vram"), name)
-
-
-vram = _FluxVram()
+vram = LazyPackModule("comfy_adapter.families.flux.vram")  # the Flux family's estimate
 
 
 def tiny():
