@@ -276,4 +276,7 @@ def test_fp8_scaled_shares_the_mapped_weights_and_states_its_fp8_copy(servers):
     print(f"\nfp8_scaled: anonymous memory +{growth[dynamic] >> 20} MiB, plain +{growth[plain] >> 20} MiB")
     note = first_message(messages)
     assert "fp8_scaled under ComfyUI's dynamic VRAM: the fp8 block weights are a new copy in RAM" in note
-    assert growth[dynamic] < growth[plain] + 0.1 * model
+    # A copy of the mapped weights (the regression) would add the whole model; the CPU's peak
+    # also holds a transient fp32 cast of the largest layer (a quarter of the model) whose
+    # timing differs between the two servers: CI measured +1097 MiB against +992 MiB once.
+    assert growth[dynamic] < growth[plain] + 0.3 * model
