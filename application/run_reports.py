@@ -158,7 +158,11 @@ def start_tracking(
     return tracker
 
 
-def announce_estimate(job, tracker, model, dataset, config, paths: LoraPaths) -> Estimate:
+def announce_estimate(
+    job, tracker, model, dataset, config, paths: LoraPaths, resume_notes: list[str] = ()
+) -> Estimate:
+    """The VRAM estimate, logged and kept on every step's progress message, after `resume_notes`
+    (what a resume changed: already logged) and before what dynamic VRAM changes."""
     estimate = vram_estimate(model, dataset, config)
     weights = module_weight_bytes(model.model.diffusion_model)
     LOGGER.info(
@@ -172,6 +176,7 @@ def announce_estimate(job, tracker, model, dataset, config, paths: LoraPaths) ->
         beside = f"beside them training needs ~{estimate.total - estimate.weights:.1f} GiB of VRAM"
         message = "; ".join([notes[0], f"{beside} ({message})", *notes[1:]])
     # kept on every step's progress (the panel shows it while training; an event always has it)
+    message = "; ".join([*resume_notes, message])
     tracker.progress = dataclasses.replace(tracker.progress, message=message)
     job.report(tracker.progress)
     return estimate

@@ -24,7 +24,7 @@ import torch
 
 from ..comfy_adapter.cast_contract import linear_names
 from ..comfy_adapter.comfy_loading import interrupted_error
-from ..comfy_adapter.comfy_quantized import weight_formats
+from ..comfy_adapter.comfy_quantized import base_record, weight_formats
 from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.previews import PreviewSettings
@@ -38,7 +38,7 @@ from ..trainer_core.job import TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_metadata import RunFacts, training_metadata
-from ..trainer_core.resume import run_record, schedule_note
+from ..trainer_core.resume import continuation_notes, run_record
 from ..trainer_core.rng import RandomState
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials
 from ..trainer_core.seed_lora import read_seed_lora
@@ -150,8 +150,10 @@ class TrainingRun:
         self.resume = resume = load_checkpoint(run.resume, layers) if run.resume is not None else None
         seeded = seed_lora(run.start_from, self.model, config) if run.start_from else None
         self.initial = resume.lora if resume else seeded
-        if resume is not None and (note := schedule_note(resume.config, resume.step, config)):
-            LOGGER.info("TrainLoRA %s: %s", paths.stem, note)
+        self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
+        self.notes = continuation_notes(resume.config, resume.step, config, self.base) if resume else []
+        for note in self.notes:
+            LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
 
     # 2) what it reports and writes
     def plan(self) -> None:
@@ -166,8 +168,12 @@ class TrainingRun:
         self.samples = SampleCache(dataset, model)
         self.held_out = self.samples.held_out()
         self.tracker = start_tracking(job, config, resume, self.preview, validates=bool(self.held_out))
-        self.estimate = announce_estimate(job, self.tracker, model, dataset, config, self.paths)
-        record = run_record(config, dataset.content_hash, run.world_size, dataset.held_out_hash)
+        self.estimate = announce_estimate(
+            job, self.tracker, model, dataset, config, self.paths, resume_notes=self.notes
+        )
+        record = run_record(
+            config, dataset.content_hash, run.world_size, dataset.held_out_hash, base=self.base
+        )
         if resume is not None:
             record["resumed_from"] = str(resume.path)
         # data parallel: global batches of world_size x batch_size, each process trains its rows

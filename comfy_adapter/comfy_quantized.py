@@ -68,6 +68,15 @@ def weight_formats(diffusion_model: torch.nn.Module) -> dict[str, dict[str, int]
     return {"quantized": dict(sorted(quantized.items())), "plain": dict(sorted(plain.items()))}
 
 
+def base_record(model) -> dict:
+    """How a MODEL holds its base weights, as a checkpoint records it (a resume that holds
+    them otherwise says so, `trainer_core.resume.continuation_notes`): the Linear weights'
+    formats counted, and whether ComfyUI's dynamic VRAM streams them."""
+    from .comfy_loading import is_dynamic
+
+    return {**weight_formats(model.model.diffusion_model), "dynamic_vram": is_dynamic(model)}
+
+
 # The formats training has been proved on (tests/nodes/test_quantized_training.py): gradients
 # through ComfyUI's own layer against a dequantized reference.
 TRAINED_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "mxfp8", "int8_tensorwise")

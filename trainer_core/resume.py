@@ -19,14 +19,55 @@ RESUME_MUST_MATCH = (
 )
 _DEFAULTS = {**{f.name: f.default for f in dataclasses.fields(TrainConfig)}, "world_size": 1}
 
+# The settings a resume may change although the continuation then differs from the
+# uninterrupted run's (the run says which changed, `continuation_notes`): the learning rate on
+# purpose (lowering it to settle a run is a usual step), with what shapes it over the steps;
+# the optimizer's other knobs; the training objective's (how timesteps are drawn and weighted,
+# the guidance given); and how the base weights are held (fp8_mode, and the `base` record:
+# a base loaded in another precision or quantized format, or under another loading mode, may
+# be what the resuming machine can hold).
+RESUME_REPORTS = (
+    "learning_rate",
+    "schedule",
+    "warmup_steps",
+    "lr_floor",
+    "weight_decay",
+    "max_grad_norm",
+    "logit_mean",
+    "logit_std",
+    "sigmoid_scale",
+    "shift",
+    "loss_weighting",
+    "guidance",
+    "fp8_mode",
+)
+# The settings that leave every number of the continuation as it was (how the run is held in
+# memory, what it writes and how often); `steps` only moves a decaying schedule (its own note).
+RESUME_FREE = (
+    "steps",
+    "gradient_checkpointing",
+    "blocks_to_swap",
+    "save_every",
+    "keep_last",
+    "validate_every",
+    "save_precision",
+)
+ON_PURPOSE = ("learning_rate",)
+
 
 def run_record(
-    config: TrainConfig, dataset_hash: str, world_size: int = 1, held_out: str | None = None
+    config: TrainConfig,
+    dataset_hash: str,
+    world_size: int = 1,
+    held_out: str | None = None,
+    base: dict | None = None,
 ) -> dict:
     """What a checkpoint remembers of its run (compared on resume), as plain JSON values (a
-    choice as its string). `held_out`: the dataset's `held_out_hash`."""
+    choice as its string). `held_out`: the dataset's `held_out_hash`; `base`: how the base
+    weights were held (`comfy_adapter.comfy_quantized.base_record`)."""
     record = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
-    return {**record, "dataset_hash": dataset_hash, "held_out": held_out, "world_size": world_size}
+    record = {**record, "dataset_hash": dataset_hash, "held_out": held_out, "world_size": world_size}
+    return record if base is None else {**record, "base": base}
 
 
 def check_resume(
@@ -70,6 +111,40 @@ def check_resume(
             f"resume_from: the checkpoint is at step {step} and steps is {config.steps}; "
             "raise steps to train further"
         )
+
+
+def continuation_notes(saved: dict, step: int, config: TrainConfig, base: dict | None = None) -> list[str]:
+    """What a resume from `step` of the run recorded as `saved` (a checkpoint's state.json
+    "config") changes: one line naming each changed setting (RESUME_REPORTS, and the `base`
+    record of how the base weights are held, when both runs recorded it) and saying that the
+    continuation is no longer the uninterrupted run's, then the schedule's note; [] when it
+    continues exactly."""
+    current = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
+    changed = []
+    for name in RESUME_REPORTS:
+        before = saved.get(name, _DEFAULTS[name])
+        before = plain(before)
+        if before != current[name]:
+            why = " (accepted on purpose)" if name in ON_PURPOSE else ""
+            changed.append(f"{name} {before!r} -> {current[name]!r}{why}")
+    if base is not None and saved.get("base") not in (None, base):
+        changed.append(f"base weights {describe_base(saved['base'])} -> {describe_base(base)}")
+    notes = []
+    if changed:
+        notes.append(
+            f"resumed from step {step} with changed settings: {', '.join(changed)}; the continuation "
+            "is no longer exactly the uninterrupted run's"
+        )
+    if note := schedule_note(saved, step, config):
+        notes.append(note)
+    return notes
+
+
+def describe_base(base: dict) -> str:
+    """A `base` record (how the base weights are held) as one phrase."""
+    formats = {**base.get("quantized", {}), **base.get("plain", {})}
+    held = ", ".join(f"{name} x{count}" for name, count in sorted(formats.items())) or "no Linear layers"
+    return f"[{held}{'; dynamic VRAM' if base.get('dynamic_vram') else ''}]"
 
 
 def schedule_note(saved_config: dict, step: int, config: TrainConfig) -> str:

@@ -133,6 +133,42 @@ def test_failed_resumes_and_other_names_never_touch_the_original_run(server, dat
     assert [c.rsplit("/", 1)[1] for c in checkpoint_choices(server, "kt_keep_other")] == ["step_000006"]
 
 
+def test_a_resume_with_changed_settings_says_which_on_the_node(server, dataset):
+    """Issue 32: a changed guidance or timestep shift continued silently, although the losses
+    then differ from the uninterrupted run's. The node's progress line names each changed
+    setting (the learning rate as accepted on purpose); an unchanged resume says nothing."""
+    settings = {"steps": 2, "seed": 5}
+    _, first = server.run_prompt(training_graph(dataset, "kt_notes", **settings))
+    succeeded(first)
+    (last,) = checkpoint_choices(server, "kt_notes")
+    state = json.loads((checkpoints_root(server) / last / "state.json").read_text())
+    assert state["config"]["base"]["plain"] and state["config"]["base"]["dynamic_vram"] is False
+    graph = training_graph(
+        dataset,
+        "kt_notes",
+        overwrite=True,
+        resume_from=last,
+        **{**settings, "steps": 3},
+        guidance=3.5,
+        shift=2.0,
+        learning_rate=5e-4,
+    )
+    _, changed = server.run_prompt(graph)
+    succeeded(changed)
+    message = progress_events(changed)[0]["message"]
+    assert message.startswith(
+        "resumed from step 2 with changed settings: learning_rate 0.001 -> 0.0005 "
+        "(accepted on purpose), shift 3.0 -> 2.0, guidance 1.0 -> 3.5; the "
+        "continuation is no longer exactly the uninterrupted run's"
+    ), message
+    assert "estimated VRAM" in message  # the estimate follows
+    _, same = server.run_prompt(
+        training_graph(dataset, "kt_notes", overwrite=True, resume_from=last, **{**settings, "steps": 3})
+    )
+    succeeded(same)
+    assert not [e for e in progress_events(same) if "changed settings" in e["message"]]
+
+
 LORA_TENSORS = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight", ".alpha")
 
 

@@ -317,3 +317,31 @@ def test_a_start_lora_that_is_not_safetensors_is_refused_before_anything_loads(f
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"[train] start_from_lora: {pickled} is not a .safetensors file" in result.stderr
     assert "loading the model files" not in result.stdout
+
+
+def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_not_exact(
+    uninterrupted, files
+):
+    """Issue 32: guidance (or the timestep sampling, the optimizer's knobs, fp8_mode, how the
+    base is held) changed on a resume was accepted silently. The learning rate is accepted on
+    purpose, and the command says so."""
+    (final,) = [c for c in checkpoints(files.base, "full") if c.name == f"step_{STEPS:06d}"]
+    config = write_config(
+        files.root / "changed.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {
+            "lora_name": "changed",
+            "steps": STEPS + 1,
+            "resume_from": str(final),
+            "guidance": 3.5,
+            "learning_rate": TRAIN.get("learning_rate", 1e-4) / 2,
+        },
+    )
+    result = run(command(config))
+    assert result.returncode == 0, result.stdout + result.stderr
+    said = result.stdout + result.stderr
+    assert f"resumed from step {STEPS} with changed settings: learning_rate " in said, said
+    assert "(accepted on purpose), guidance 1.0 -> 3.5" in said
+    assert "no longer exactly the uninterrupted run's" in said

@@ -9,7 +9,15 @@ import torch
 
 from trainer_core.config import TrainConfig
 from trainer_core.loop import ResumeState, train
-from trainer_core.resume import RESUME_MUST_MATCH, check_resume, run_record, schedule_note
+from trainer_core.resume import (
+    RESUME_FREE,
+    RESUME_MUST_MATCH,
+    RESUME_REPORTS,
+    check_resume,
+    continuation_notes,
+    run_record,
+    schedule_note,
+)
 from trainer_core.schedule import lr_multiplier
 
 
@@ -102,3 +110,54 @@ def test_a_changed_hold_out_is_refused_and_older_checkpoints_are_not():
     # a checkpoint written before the split was recorded cannot say: its dataset hash decides
     older = {"config": {k: v for k, v in saved["config"].items() if k != "held_out"}, "step": 2}
     check_resume(older, TrainConfig(steps=8), "d1", held_out="h2")
+
+
+# a value other than the default for each setting a resume may change, with the note it gets
+REPORTED = {
+    "learning_rate": 5e-5,
+    "schedule": "cosine",
+    "warmup_steps": 3,
+    "lr_floor": 0.1,
+    "weight_decay": 0.0,
+    "max_grad_norm": 0.5,
+    "logit_mean": 0.5,
+    "logit_std": 0.5,
+    "sigmoid_scale": 2.0,
+    "shift": 1.0,
+    "loss_weighting": "sigma_sqrt",
+    "guidance": 3.5,
+    "fp8_mode": "fp8_scaled",
+}
+
+
+def test_every_setting_is_matched_reported_or_free_on_resume():
+    """A new TrainConfig field has to be put in one of the three (so no setting can change a
+    continuation silently)."""
+    names = [f.name for f in dataclasses.fields(TrainConfig)]
+    classes = (set(CHANGED), set(RESUME_REPORTS), set(RESUME_FREE))
+    assert sorted(names) == sorted(n for c in classes for n in c)
+    assert set(REPORTED) == set(RESUME_REPORTS)
+
+
+def test_a_resume_names_each_changed_setting_and_says_the_continuation_is_not_exact():
+    saved = run_record(TrainConfig(steps=4), "d1", base={"quantized": {}, "plain": {"bfloat16": 8}})
+    same = TrainConfig(steps=8)
+    assert continuation_notes(saved, 2, same, saved["base"]) == []
+    for name in RESUME_FREE:  # these leave every number as it was
+        if name != "steps":
+            value = {"gradient_checkpointing": False, "save_precision": "fp32"}.get(name, 2)
+            assert continuation_notes(saved, 2, dataclasses.replace(same, **{name: value})) == [], name
+    for name, value in REPORTED.items():
+        note = continuation_notes(saved, 2, dataclasses.replace(same, **{name: value}))[0]
+        assert f"resumed from step 2 with changed settings: {name} " in note, note
+        assert f"-> {value!r}" in note and "no longer exactly the uninterrupted run's" in note
+        assert ("accepted on purpose" in note) == (name == "learning_rate")
+    both = continuation_notes(saved, 2, dataclasses.replace(same, guidance=3.5, learning_rate=5e-5))
+    assert "learning_rate 0.0001 -> 5e-05 (accepted on purpose), guidance 1.0 -> 3.5" in both[0]
+    fp8 = {"quantized": {"float8_e4m3fn": 8}, "plain": {}, "dynamic_vram": True}
+    (note,) = continuation_notes(saved, 2, same, fp8)
+    assert "base weights [bfloat16 x8] -> [float8_e4m3fn x8; dynamic VRAM]" in note
+    older = {k: v for k, v in saved.items() if k not in ("base", "guidance")}  # recorded since
+    assert continuation_notes(older, 2, same, fp8) == []  # a missing guidance counts as its default
+    cosine = continuation_notes(run_record(TrainConfig(steps=4, schedule="cosine"), "d1"), 4, same)
+    assert "schedule 'cosine' -> 'constant'" in cosine[0] and len(cosine) == 1
