@@ -17,7 +17,7 @@ from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.lora_session import LoraSession
 from ..comfy_adapter.model_family import vram_estimate
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
-from ..trainer_core.checkpoint import Checkpoint, new_run_folder, prune, save_checkpoint
+from ..trainer_core.checkpoint import Checkpoint, lineage, new_run_folder, prune, save_checkpoint, step_of
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.distributed import Collective
 from ..trainer_core.job import ProgressTracker, TrainingJob
@@ -48,14 +48,21 @@ class CheckpointWriter:
         record: dict,
         facts: RunFacts,
         tracker,
-        resuming: bool,
+        resumed_from: Path | None = None,
         collective: Collective | None = None,
     ):
         self.paths, self.config, self.record, self.facts = paths, config, record, facts
-        self.tracker, self.resuming, self.collective = tracker, resuming, collective
+        self.tracker, self.collective = tracker, collective
+        self.resuming = resumed_from is not None
         self.folder: Path | None = None
         self.saved: dict[int, Path] = {}
-        self.snapshots: list[Path] = []  # this run's, oldest first
+        # keep_last counts the logical run across resumes: the checkpoints this one continues
+        # (of its LoRA name), and its snapshots up to the step it resumed from
+        self.lineage = lineage(resumed_from, paths.checkpoints) if resumed_from else []
+        self.snapshots: list[Path] = []  # oldest first
+        if self.lineage:
+            resumed_step = step_of(self.lineage[-1])
+            self.snapshots = [p for s, p in sorted(snapshot_steps(paths).items()) if s <= resumed_step]
 
     def random_states(self, result: TrainResult) -> dict[str, torch.Tensor]:
         """Every process's random states (a collective: all processes call it together)."""
@@ -96,7 +103,8 @@ class CheckpointWriter:
                 metadata,
                 validation=result.validation,
             )
-            prune(self.folder, self.config.keep_last)
+            gone = prune(self.folder, self.config.keep_last, self.lineage)
+            self.lineage = [c for c in self.lineage if c not in gone]
         self.saved[step] = path
         return path
 

@@ -197,7 +197,7 @@ class TrainingRun:
             record,
             self.facts,
             self.tracker,
-            resuming=resume is not None,
+            resumed_from=resume.path if resume is not None else None,
             collective=self.collective,
         )
         self.previews = (

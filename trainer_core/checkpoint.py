@@ -239,11 +239,44 @@ def all_checkpoints(root: Path) -> list[Path]:
     return [path for run in runs for path in list_checkpoints(run)]
 
 
-def prune(folder: Path, keep_last: int) -> list[Path]:
-    """Delete all but the newest `keep_last` checkpoints (0 keeps all); returns what went."""
+def step_of(checkpoint: Path) -> int:
+    return int(STEP_FOLDER.match(Path(checkpoint).name).group(1))
+
+
+def lineage(checkpoint: Path | None, within: Path) -> list[Path]:
+    """The checkpoints a resume from `checkpoint` continues, oldest first: those of its run
+    folder up to it, then (a run folder that itself resumed one: its state.json names the
+    checkpoint in "resumed_from") those before them, and so on; only folders under `within`
+    (one LoRA name's checkpoints: a resume under another name leaves its origin alone)."""
+    found: list[Path] = []
+    within, seen = Path(within).resolve(), set()
+    while checkpoint is not None:
+        checkpoint = Path(checkpoint).resolve()
+        run = checkpoint.parent
+        if within not in run.parents or run in seen or not STEP_FOLDER.match(checkpoint.name):
+            break
+        seen.add(run)
+        step = step_of(checkpoint)
+        found[:0] = [c for c in list_checkpoints(run) if step_of(c) <= step]
+        try:
+            earlier = read_state(checkpoint)["config"].get("resumed_from") if checkpoint.is_dir() else None
+        except ValueError:  # damaged: the chain stops here
+            earlier = None
+        checkpoint = Path(earlier) if earlier else None
+    return found
+
+
+def prune(folder: Path, keep_last: int, continues: Sequence[Path] = ()) -> list[Path]:
+    """Delete all but the newest `keep_last` checkpoints (0 keeps all) of the logical run:
+    `folder`'s and those it `continues` (its resume's `lineage`; so a resumed checkpoint goes
+    only once `keep_last` newer ones exist). A run folder left empty goes too. Returns what
+    went."""
     if keep_last <= 0:
         return []
-    doomed = list_checkpoints(folder)[:-keep_last]
+    doomed = [*(c for c in continues if c.is_dir()), *list_checkpoints(folder)][:-keep_last]
     for path in doomed:
         shutil.rmtree(path)
+        run = path.parent
+        if run != Path(folder) and run.is_dir() and not any(run.iterdir()):
+            run.rmdir()
     return doomed

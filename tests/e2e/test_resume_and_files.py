@@ -169,6 +169,47 @@ def test_a_resume_with_changed_settings_says_which_on_the_node(server, dataset):
     assert not [e for e in progress_events(same) if "changed settings" in e["message"]]
 
 
+def test_keep_last_counts_the_whole_run_across_resumes(server, dataset):
+    """Issue 32: with keep_last 2, a Cancel and a resume left 4 checkpoints and 4 snapshots,
+    and each further resume added more. Now the resumed run counts its origin's: the
+    checkpoint it resumed from goes only once 2 newer ones exist."""
+    settings = {"steps": 12, "save_every": 1, "keep_last": 2, "seed": 6}
+    cut = run_and_interrupt(server, training_graph(dataset, "kt_lineage", **settings), at_step=3)
+    choice = progress_events(cut)[-1]["message"].split("resume from ")[1]
+    stopped = int(choice.rsplit("_", 1)[1])
+    assert len(checkpoint_choices(server, "kt_lineage")) == 2 and stopped < 10
+    snapshots = loras(server) / "kt_lineage_steps"
+    assert len(list(snapshots.iterdir())) == 2
+
+    # a resume that ends after one new step: the checkpoint it resumed from is still kept
+    _, short = server.run_prompt(
+        training_graph(dataset, "kt_lineage", resume_from=choice, **{**settings, "steps": stopped + 1})
+    )
+    succeeded(short)
+    steps = [c.rsplit("_", 1)[1] for c in checkpoint_choices(server, "kt_lineage")]
+    assert steps == [f"{stopped:06d}", f"{stopped + 1:06d}"]
+    # a further resume to the end: the two newest of the whole run, two runs' folders pruned
+    _, done = server.run_prompt(
+        training_graph(
+            dataset,
+            "kt_lineage",
+            overwrite=True,
+            resume_from=checkpoint_choices(server, "kt_lineage")[-1],
+            **settings,
+        )
+    )
+    succeeded(done)
+    kept = checkpoint_choices(server, "kt_lineage")
+    assert [c.rsplit("_", 1)[1] for c in kept] == ["000011", "000012"] and len(
+        {c.split("/")[1] for c in kept}
+    ) == 1
+    assert len(list((checkpoints_root(server) / "kt_lineage").iterdir())) == 1  # emptied run folders go
+    assert sorted(p.name for p in snapshots.iterdir()) == [  # the last step is the LoRA itself
+        "kt_lineage-step00000010.safetensors",
+        "kt_lineage-step00000011.safetensors",
+    ]
+
+
 LORA_TENSORS = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight", ".alpha")
 
 
