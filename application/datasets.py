@@ -87,8 +87,6 @@ def summary(dataset: KontextDataset) -> str:
     return "\n".join(lines)
 
 
-
-
 def load_dataset(
     vae, clip, options: DatasetOptions, progress: Callable[[int, int], None] | None = None
 ) -> tuple[KontextDataset, str]:

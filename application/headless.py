@@ -316,7 +316,10 @@ def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
             say(f'to resume, set resume_from = "{paths.checkpoint_choice(outcome.checkpoint)}" in [train]')
         return EXIT_STOPPED
     prepared.finish(outcome)
+    paths = outcome.paths or paths
     if rank == 0:
+        if outcome.note:
+            say(outcome.note)
         say(f"LoRA saved: {paths.lora}")
         say(f"loss chart: {paths.loss_chart}")
         if outcome.losses:

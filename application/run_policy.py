@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 from ..trainer_core.checkpoint import all_checkpoints, checkpoint_problem
-from ..trainer_core.run_files import LoraPaths, snapshot_steps
+from ..trainer_core.run_files import LoraPaths, replaced_snapshots, snapshot_steps
 
 NO_RESUME = "none"
 NO_START = "none"
@@ -122,7 +122,7 @@ def check_existing(paths: LoraPaths, overwrite: bool, resuming: bool = False) ->
     (a cancelled one leaves no LoRA) likewise, unless this run resumes one (its snapshots go
     on). Returns whether a LoRA will be replaced."""
     if not paths.lora.exists():
-        if snapshot_steps(paths) and not overwrite and not resuming:
+        if (snapshot_steps(paths) or replaced_snapshots(paths)) and not overwrite and not resuming:
             raise ValueError(
                 f"lora_name: {paths.snapshots} holds the per-step snapshots of an earlier run of this "
                 "name. Choose another lora_name, resume that run (resume_from), or turn on overwrite "

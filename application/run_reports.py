@@ -24,7 +24,12 @@ from ..trainer_core.job import ProgressTracker, TrainingJob
 from ..trainer_core.loop import TrainResult
 from ..trainer_core.lora_metadata import RunFacts, training_metadata
 from ..trainer_core.rng import PER_PROCESS, RandomState, rank_key
-from ..trainer_core.run_files import LoraPaths, snapshot_steps
+from ..trainer_core.run_files import (
+    LoraPaths,
+    drop_replaced_snapshots,
+    set_aside_snapshots,
+    snapshot_steps,
+)
 from ..trainer_core.vram import Estimate, module_weight_bytes
 
 if TYPE_CHECKING:  # training_run imports this module
@@ -60,6 +65,7 @@ class CheckpointWriter:
         # (of its LoRA name), and its snapshots up to the step it resumed from
         self.lineage = lineage(resumed_from, paths.checkpoints) if resumed_from else []
         self.snapshots: list[Path] = []  # oldest first
+        self.aside: Path | None = None  # an earlier run's snapshots, set aside by this run
         if self.lineage:
             resumed_step = step_of(self.lineage[-1])
             self.snapshots = [p for s, p in sorted(snapshot_steps(paths).items()) if s <= resumed_step]
@@ -108,13 +114,18 @@ class CheckpointWriter:
         self.saved[step] = path
         return path
 
+    def drop_replaced_snapshots(self) -> None:
+        """This run's LoRA replaced the name's earlier one: the snapshots set aside go too."""
+        for folder in drop_replaced_snapshots(self.paths):
+            LOGGER.info("TrainLoRA %s: removed the replaced run's snapshots %s", self.paths.stem, folder)
+
     def save_snapshot(self, session: LoraSession, step: int, modules: dict, metadata: dict) -> None:
         """The LoRA at `step` in models/loras/<name>_steps/. A new run's first one clears what an
         earlier run of the name left there (TrainLoRA allowed it: overwrite on), so runs never
-        mix; a resumed run continues its run's snapshots. Only this run's are pruned."""
-        if not self.snapshots and not self.resuming:
-            for earlier in snapshot_steps(self.paths).values():
-                earlier.unlink(missing_ok=True)
+        mix (set aside: `drop_replaced_snapshots` once this run's LoRA is saved); a resumed run
+        continues its run's snapshots. Only this run's (and its origin's) are pruned."""
+        if not self.snapshots and not self.resuming:  # kept aside until this run's LoRA is saved
+            self.aside = set_aside_snapshots(self.paths)
         self.paths.snapshots.mkdir(parents=True, exist_ok=True)
         path = session.save(self.paths.snapshot(step), metadata, modules)
         self.snapshots.append(path)

@@ -103,7 +103,7 @@ class PreparedRun:
             return None
         chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
         if self.run.rank == 0:
-            save_png_atomic(chart, self.paths.loss_chart)
+            save_png_atomic(chart, (outcome.paths or self.paths).loss_chart)
         return chart
 
 
@@ -115,5 +115,5 @@ def prepare(request: RunRequest) -> PreparedRun:
     replaces = check_existing(paths, request.overwrite, resuming=resuming)
     state = read_state(request.resume) if resuming else None  # or a message naming what is missing
     start = None if resuming else request.start_from
-    run = Run(paths, request.resume, replaces, temp_dir(), start, request.collective)
+    run = Run(paths, request.resume, replaces, temp_dir(), start, request.collective, request.overwrite)
     return PreparedRun(request, run, state)

@@ -14,6 +14,8 @@ with more steps).
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import secrets
 import time
@@ -59,6 +61,7 @@ class Run:
     start_from: Path | None = None  # a LoRA file whose weights seed a new run
     # data parallel (headless under torchrun): this process's place; rank 0 writes every file
     collective: Collective | None = None
+    overwrite: bool = False  # the user allows replacing the LoRA file (checked again at its rename)
 
     @property
     def rank(self) -> int:
@@ -77,6 +80,10 @@ class TrainingOutcome:
     checkpoint: Path | None = None
     previews: torch.Tensor | None = None  # the final preview images (B, H, W, 3)
     validation: list[tuple[int, float]] = field(default_factory=list)  # (step, held-out loss)
+    # where the LoRA and its chart went: another name when one of this name appeared while
+    # training (overwrite off), with `note` saying so; None: the run's own paths
+    paths: LoraPaths | None = None
+    note: str = ""
 
 
 def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
@@ -241,10 +248,16 @@ class TrainingRun:
                 return self.finished_elsewhere(session, result)
             lora_state = self.finished(session, result)
         replaced = " (replaced the previous file, overwrite is on)" if self.run.replaces else ""
-        self.job.report(status=JobStatus.FINISHED, message=f"saved {self.paths.lora}{replaced}")
+        message = self.conflict or f"saved {self.paths.lora}{replaced}"
+        self.job.report(status=JobStatus.FINISHED, message=message)
         final_previews = self.previews.images() if self.previews is not None else None
         return TrainingOutcome(
-            result.losses, lora_state, previews=final_previews, validation=result.validation
+            result.losses,
+            lora_state,
+            previews=final_previews,
+            validation=result.validation,
+            paths=self.saved_paths,
+            note=self.conflict,
         )
 
     def _join_processes(self, session: LoraSession) -> None:
@@ -304,8 +317,9 @@ class TrainingRun:
     def stopped(self, session: LoraSession, result: TrainResult) -> TrainingOutcome:
         checkpoint = self.checkpoints.save(session, result.steps, result)
         where = self.paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
+        kept = aside_note(self.checkpoints.aside)
         self.job.report(
-            status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}; resume from {where}"
+            status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}{kept}; resume from {where}"
         )
         return TrainingOutcome(
             result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
@@ -315,7 +329,9 @@ class TrainingRun:
     def finished(self, session: LoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
         config = self.config
         self.checkpoints.save(session, config.steps, result)
-        saved = session.save(self.paths.lora, training_metadata(config, self.facts, config.steps))
+        saved = self.save_lora(session, training_metadata(config, self.facts, config.steps))
+        if self.saved_paths == self.paths:  # this run replaces the name's earlier run now
+            self.checkpoints.drop_replaced_snapshots()
         lora_state = _read_back(saved)
         if self.previews is not None:  # after the LoRA is safe: a Cancel here only skips this round
             try:
@@ -324,6 +340,33 @@ class TrainingRun:
                 LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", self.paths.stem)
         return lora_state
 
+    def save_lora(self, session: LoraSession, metadata: dict[str, str]) -> Path:
+        """The LoRA under its name; with overwrite off, never over a file of that name that
+        appeared while this run trained (another run, or the command line, saved it): then
+        under the first free `<name>_N`, and the run says so (`conflict`)."""
+        paths = self.paths
+        self.saved_paths, self.conflict = paths, ""
+        try:
+            return session.save(paths.lora, metadata, replace=self.run.overwrite)
+        except FileExistsError:
+            pass
+        for n in itertools.count(2):
+            other = dataclasses.replace(paths, stem=f"{paths.stem}_{n}")
+            if other.loss_chart.exists():
+                continue
+            try:
+                saved = session.save(other.lora, metadata, replace=False)
+            except FileExistsError:
+                continue
+            self.saved_paths = other
+            self.conflict = (
+                f"saved {other.lora}: {paths.lora.name} appeared while this run trained (another run "
+                "saved it) and overwrite is off, so this run's LoRA took the next free name"
+            )
+            LOGGER.warning("TrainLoRA %s: %s", paths.stem, self.conflict)
+            return saved
+        raise AssertionError("unreachable")
+
     def finished_elsewhere(self, session: LoraSession, result: TrainResult) -> TrainingOutcome:
         """Data parallel, a process other than rank 0: its part of the last checkpoint only."""
         self.checkpoints.save(session, self.config.steps, result)
@@ -331,6 +374,15 @@ class TrainingRun:
             status=JobStatus.FINISHED, message=f"rank {self.run.rank}: done (rank 0 saved the LoRA)"
         )
         return TrainingOutcome(result.losses, validation=result.validation)
+
+
+def aside_note(aside: Path | None) -> str:
+    if aside is None:
+        return ""
+    return (
+        f" (the replaced run's snapshots are kept in {aside.parent.name}/{aside.name} until a run of "
+        "this name finishes)"
+    )
 
 
 def _read_back(path: Path) -> dict[str, torch.Tensor]:

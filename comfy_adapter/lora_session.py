@@ -116,11 +116,18 @@ class LoraSession:
         timestep = self.patcher.model.model_sampling.timestep(sigma)
         return self.family.predict(self, batch, timestep, context, pooled)
 
-    def save(self, path, metadata: dict[str, str], modules: Mapping[str, LoraModule] | None = None) -> Path:
+    def save(
+        self,
+        path,
+        metadata: dict[str, str],
+        modules: Mapping[str, LoraModule] | None = None,
+        replace: bool = True,
+    ) -> Path:
         """Write the current LoRA (or `modules`, already taken from it) atomically to `path`: kohya
-        keys in the config's save_precision, `metadata` plus the hashes and finish time."""
+        keys in the config's save_precision, `metadata` plus the hashes and finish time (`replace`
+        off: FileExistsError rather than over an existing file)."""
         dtype = lora_file.precision_dtype(self.config.save_precision)
-        return write_lora(Path(path), modules or self.lora.modules(), metadata, dtype, time.time())
+        return write_lora(Path(path), modules or self.lora.modules(), metadata, dtype, time.time(), replace)
 
     def noise_scaling(self, sigma: torch.Tensor, noise: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
         """The noisy input at `sigma`, mixed as the model's ComfyUI sampling mixes it

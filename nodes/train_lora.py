@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import time
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +66,39 @@ def _stem_or_none(name: str) -> str | None:
         return lora_stem(name)
     except ValueError:
         return None
+
+
+class SavedLoras:
+    """What TrainLoRA saved in this server, so ComfyUI's cache sees its output file
+    (`fingerprint_inputs`): the fingerprint of a name stays the one its run was queued with
+    while the file that run saved is there unchanged (an identical prompt is answered from the
+    cache), and is new once the file is gone or replaced (the node runs again)."""
+
+    def __init__(self):
+        self.by_stem: dict[str, tuple[str, Path | None, tuple | None]] = {}  # token, file, its stat
+
+    @staticmethod
+    def _stat(path: Path) -> tuple | None:
+        try:
+            found = path.stat()
+        except OSError:
+            return None
+        return found.st_size, found.st_mtime_ns, found.st_ino
+
+    def fingerprint(self, stem: str) -> str:
+        token, path, saved = self.by_stem.get(stem, (None, None, None))
+        if token is not None and path is not None and self._stat(path) == saved:
+            return token
+        token = secrets.token_hex(8)  # no file of this run's, or not the one it saved: run again
+        self.by_stem[stem] = (token, None, None)
+        return token
+
+    def saved(self, stem: str, path: Path) -> None:
+        token = self.by_stem.get(stem, (secrets.token_hex(8),))[0]
+        self.by_stem[stem] = (token, path, self._stat(path))
+
+
+SAVED = SavedLoras()
 
 
 def workflow_id(extra_pnginfo) -> str | None:
@@ -154,6 +189,12 @@ class TrainLoRA(io.ComfyNode):
         )
 
     @classmethod
+    def fingerprint_inputs(cls, lora_name=None, **_):
+        """A run whose LoRA file was deleted (or replaced) since is not answered from the cache."""
+        stem = _stem_or_none(lora_name) if isinstance(lora_name, str) else None
+        return SAVED.fingerprint(stem) if stem is not None else lora_name
+
+    @classmethod
     def execute(
         cls,
         model,
@@ -200,7 +241,9 @@ class TrainLoRA(io.ComfyNode):
             "validation_step": [step for step, _ in outcome.validation],
             "validation_loss": [loss for _, loss in outcome.validation],
         }
-        name = prepared.paths.lora.name
+        saved = (outcome.paths or prepared.paths).lora
+        SAVED.saved(stem, saved)
+        name = saved.name
         ui = {"lora_name": [name], **loss_map}  # in /history, for scripts and the UI
         previews = outcome.previews if outcome.previews is not None else torch.zeros(1, 64, 64, 3)
         return io.NodeOutput(trained, name, loss_map, previews, image, ui=ui)

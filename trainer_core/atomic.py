@@ -9,6 +9,7 @@ the results get the same permissions as ComfyUI's own outputs (0644 / 0755 under
 
 from __future__ import annotations
 
+import errno
 import os
 import secrets
 import stat
@@ -55,10 +56,27 @@ def fsync_file(path: Path) -> None:
         os.close(fd)
 
 
+def publish_new(tmp: Path, path: Path) -> None:
+    """Give `tmp` the name `path` only if no file has it, atomically (a hard link fails on an
+    existing name: no check-then-rename race); FileExistsError otherwise. A file system
+    without hard links gets the check and the rename."""
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        raise
+    except OSError:  # no hard links here (some network and FAT file systems)
+        if os.path.lexists(path):
+            raise FileExistsError(errno.EEXIST, "exists", str(path)) from None
+        os.replace(tmp, path)
+        return
+    tmp.unlink()
+
+
 @contextmanager
-def replacing(path: Path) -> Iterator[Path]:
+def replacing(path: Path, replace: bool = True) -> Iterator[Path]:
     """`with replacing(dest) as tmp: write(tmp)`: on success `tmp` is flushed and renamed over
-    `dest`; on any error it is removed and `dest` is left as it was."""
+    `dest` (with `replace` off: only if `dest` does not exist by then, else FileExistsError);
+    on any error it is removed and `dest` is left as it was."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = new_temp_file(path)
@@ -67,14 +85,17 @@ def replacing(path: Path) -> Iterator[Path]:
         yield tmp
         os.chmod(tmp, mode)  # some writers (safetensors) replace the file with a 0600 one
         fsync_file(tmp)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            publish_new(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
 
 
-def write_atomic(path: Path, write: Callable[[Path], object]) -> Path:
-    """Write `path` whole or not at all with `write(temp_path)`."""
-    with replacing(path) as tmp:
+def write_atomic(path: Path, write: Callable[[Path], object], replace: bool = True) -> Path:
+    """Write `path` whole or not at all with `write(temp_path)` (`replace`: see `replacing`)."""
+    with replacing(path, replace) as tmp:
         write(tmp)
     return Path(path)

@@ -111,12 +111,18 @@ def from_state_dict(state: Mapping[str, torch.Tensor], module_names: Sequence[st
 
 
 def save_atomic(
-    state: Mapping[str, torch.Tensor], path: Path, metadata: Mapping[str, str] | None = None
+    state: Mapping[str, torch.Tensor],
+    path: Path,
+    metadata: Mapping[str, str] | None = None,
+    replace: bool = True,
 ) -> Path:
     """Write a safetensors file whole or not at all: a temp file in the same folder, flushed,
     then renamed over the destination. An existing file stays intact if anything fails; the
-    new file gets the umask's permissions."""
-    return write_atomic(path, lambda tmp: save_file(dict(state), str(tmp), metadata=dict(metadata or {})))
+    new file gets the umask's permissions. With `replace` off an existing file is never
+    replaced: FileExistsError (checked at the rename, atomically)."""
+    return write_atomic(
+        path, lambda tmp: save_file(dict(state), str(tmp), metadata=dict(metadata or {})), replace
+    )
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -192,7 +192,9 @@ def write_lora(
     metadata: Mapping[str, str],
     dtype: torch.dtype,
     finished_at: float,
+    replace: bool = True,
 ) -> Path:
-    """The LoRA file (kohya keys, lora_down / lora_up in `dtype`, the whole metadata), atomically."""
+    """The LoRA file (kohya keys, lora_down / lora_up in `dtype`, the whole metadata), atomically
+    (`replace` off: never over an existing file, `lora_file.save_atomic`)."""
     state = to_state_dict(modules, dtype)
-    return save_atomic(state, path, finish_metadata(state, metadata, finished_at))
+    return save_atomic(state, path, finish_metadata(state, metadata, finished_at), replace)

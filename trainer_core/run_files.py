@@ -8,8 +8,10 @@ checkpoints under `<checkpoints root>/<stem>/<run date-time>/step_NNNNNN/` (see 
 from __future__ import annotations
 
 import glob
+import os
 import re
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -67,6 +69,43 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
     return stale
 
 
+REPLACED = "replaced_"  # <name>_steps/replaced_<date-time>/: an earlier run's snapshots, set aside
+
+
+def set_aside_snapshots(paths: LoraPaths) -> Path | None:
+    """Move the snapshots an earlier run of the name left in `<name>_steps/` into a folder of
+    their own there, `replaced_<date-time>/` (a new run replacing that run starts writing
+    its own): they stay until the new run has saved the LoRA that replaces them
+    (`drop_replaced_snapshots`), so a failed or cancelled run loses none. None: nothing to
+    set aside."""
+    earlier = snapshot_steps(paths)
+    if not earlier:
+        return None
+    stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
+    aside = paths.snapshots / f"{REPLACED}{stamp}"
+    while aside.exists():
+        aside, n = paths.snapshots / f"{REPLACED}{stamp}-{n}", n + 1
+    aside.mkdir()
+    for path in earlier.values():
+        os.replace(path, aside / path.name)
+    return aside
+
+
+def replaced_snapshots(paths: LoraPaths) -> list[Path]:
+    """The folders of snapshots set aside for this name (`set_aside_snapshots`)."""
+    if not paths.snapshots.is_dir():
+        return []
+    return sorted(p for p in paths.snapshots.iterdir() if p.is_dir() and p.name.startswith(REPLACED))
+
+
+def drop_replaced_snapshots(paths: LoraPaths) -> list[Path]:
+    """Delete the snapshots set aside for this name: a run of it has saved its LoRA."""
+    folders = replaced_snapshots(paths)
+    for folder in folders:
+        shutil.rmtree(folder)
+    return folders
+
+
 def snapshot_steps(paths: LoraPaths) -> dict[int, Path]:
     """The per-step snapshots written for this LoRA name: step -> file."""
     if not paths.snapshots.is_dir():
@@ -74,4 +113,3 @@ def snapshot_steps(paths: LoraPaths) -> dict[int, Path]:
     pattern = re.compile(re.escape(paths.stem) + r"-step(\d{8,})" + re.escape(SUFFIX))
     found = (pattern.fullmatch(p.name) for p in paths.snapshots.iterdir() if p.is_file())
     return {int(m.group(1)): paths.snapshots / m.group(0) for m in found if m}
-

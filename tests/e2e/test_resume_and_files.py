@@ -18,6 +18,7 @@ from kt_testing.runs import (
     error_of,
     losses_of,
     progress_events,
+    run_and_act,
     run_and_interrupt,
     snapshot,
 )
@@ -208,6 +209,99 @@ def test_keep_last_counts_the_whole_run_across_resumes(server, dataset):
         "kt_lineage-step00000010.safetensors",
         "kt_lineage-step00000011.safetensors",
     ]
+
+
+def test_a_lora_saved_under_the_name_while_training_is_never_replaced(server, dataset):
+    """Issue 32: two runs on one lora_name, overwrite off, both passed the check at their start
+    and the later replaced the earlier's LoRA. The policy is checked again at the rename,
+    atomically: the later run's LoRA takes the next free name, and says so."""
+    lora = loras(server) / "kt_race.safetensors"
+    other = loras(server) / "kt_race_other.safetensors"
+    _, first = server.run_prompt(training_graph(dataset, "kt_race_other", steps=2))
+    succeeded(first)
+
+    def another_run_saves_the_name():  # as a CLI run of the same name finishing now
+        lora.write_bytes(other.read_bytes())
+
+    messages = run_and_act(server, training_graph(dataset, "kt_race", steps=8), 2, another_run_saves_the_name)
+    succeeded(messages)
+    assert lora.read_bytes() == other.read_bytes()  # the other run's LoRA is untouched
+    renamed = loras(server) / "kt_race_2.safetensors"
+    message = progress_events(messages)[-1]["message"]
+    assert message.startswith(f"saved {renamed}: kt_race.safetensors appeared while this run trained"), (
+        message
+    )
+    assert "overwrite is off" in message
+    tensors, metadata = load(renamed)
+    assert tensors and metadata["ss_steps"] == "8"
+    assert (loras(server) / "kt_race_2_loss.png").is_file() and not (
+        loras(server) / "kt_race_loss.png"
+    ).exists()
+    prompt_id = messages[-1]["data"]["prompt_id"]
+    assert server.history(prompt_id)["outputs"]["5"]["lora_name"] == ["kt_race_2.safetensors"]
+
+
+def test_a_deleted_lora_makes_its_cached_prompt_train_again(server, dataset):
+    """Issue 32: after the user deleted the LoRA, re-queueing the identical prompt 'succeeded'
+    from ComfyUI's cache in 0.03 s and the file stayed gone. Unchanged, it is still answered
+    from the cache."""
+    graph = training_graph(dataset, "kt_cached", steps=2)
+    lora = loras(server) / "kt_cached.safetensors"
+    _, first = server.run_prompt(graph)
+    succeeded(first)
+    original, _ = load(lora)
+
+    def trained(messages) -> bool:
+        cached = {n for m in messages if m["type"] == "execution_cached" for n in m["data"]["nodes"]}
+        return "5" not in cached and bool(progress_events(messages))
+
+    _, again = server.run_prompt(graph)
+    succeeded(again)
+    assert not trained(again)  # the file is there: the cache answers
+    lora.unlink()
+    _, after_delete = server.run_prompt(graph)
+    succeeded(after_delete)
+    assert trained(after_delete)
+    again_tensors, _ = load(lora)  # the same seed: the same LoRA
+    assert set(again_tensors) == set(original) and all(
+        torch.equal(again_tensors[k], original[k]) for k in original
+    )
+    _, once_more = server.run_prompt(graph)
+    succeeded(once_more)
+    assert not trained(once_more)
+
+
+def test_a_cancelled_overwrite_keeps_the_replaced_runs_snapshots(server, dataset):
+    """Issue 32: with overwrite on, a new run that failed or was cancelled after its first
+    snapshot had already deleted the old run's snapshots. Now they are set aside in
+    <name>_steps/replaced_<time>/ and go only when a run of the name saves its LoRA."""
+    _, old = server.run_prompt(training_graph(dataset, "kt_aside", steps=3, save_every=1, keep_last=0))
+    succeeded(old)
+    folder = loras(server) / "kt_aside_steps"
+    old_files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    old_lora = (loras(server) / "kt_aside.safetensors").read_bytes()
+    assert len(old_files) == 2
+
+    settings = {"steps": 20, "save_every": 1, "keep_last": 0, "seed": 9}
+    cut = run_and_interrupt(
+        server, training_graph(dataset, "kt_aside", overwrite=True, **settings), at_step=3
+    )
+    assert cut[-1]["type"] == "execution_interrupted", cut[-1]
+    message = progress_events(cut)[-1]["message"]
+    (aside,) = [p for p in folder.iterdir() if p.is_dir()]
+    assert f"the replaced run's snapshots are kept in kt_aside_steps/{aside.name}" in message, message
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == old_files
+    assert (loras(server) / "kt_aside.safetensors").read_bytes() == old_lora
+    listed = combo_options(server, "LoraLoader", "lora_name")
+    assert f"kt_aside_steps/{aside.name}/kt_aside-step00000001.safetensors" in listed  # still loadable
+
+    choice = message.split("resume from ")[1]
+    _, resumed = server.run_prompt(
+        training_graph(dataset, "kt_aside", overwrite=True, resume_from=choice, **settings)
+    )
+    succeeded(resumed)
+    assert not aside.exists()  # replaced now: this run's LoRA is saved
+    assert len([p for p in folder.iterdir() if p.is_file()]) == 19
 
 
 LORA_TENSORS = (".lora_down.weight", ".lora_up.weight", ".lora_A.weight", ".lora_B.weight", ".alpha")

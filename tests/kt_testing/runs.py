@@ -18,6 +18,12 @@ def progress_events(messages: list[dict]) -> list[dict]:
 def run_and_interrupt(server, graph: dict, at_step: int, timeout: float = 300) -> list[dict]:
     """Queue `graph` and press Cancel once a progress event reports `at_step`; returns every
     websocket message up to the prompt's end."""
+    return run_and_act(server, graph, at_step, lambda: server.post_json("/interrupt", {}), timeout)
+
+
+def run_and_act(server, graph: dict, at_step: int, action, timeout: float = 300) -> list[dict]:
+    """Queue `graph` and call `action()` once, when a progress event reports `at_step`;
+    returns every websocket message up to the prompt's end."""
     ws, client_id = server.websocket()
     try:
         queued = server.post_json("/prompt", {"prompt": graph, "client_id": client_id})
@@ -31,7 +37,7 @@ def run_and_interrupt(server, graph: dict, at_step: int, timeout: float = 300) -
             data = message.get("data", {})
             if message["type"] == PROGRESS_EVENT and data.get("step", 0) >= at_step and not pressed:
                 pressed = True
-                server.post_json("/interrupt", {})
+                action()
             if data.get("prompt_id") == queued["prompt_id"] and message["type"] in ENDINGS:
                 return messages
         raise TimeoutError(f"prompt {queued['prompt_id']} did not end in {timeout} s")
