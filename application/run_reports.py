@@ -6,12 +6,15 @@ rounds (`PreviewRounds`). `training_run.TrainingRun` uses them in its phases.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import SafetensorError
 
 from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.lora_session import LoraSession
@@ -40,6 +43,43 @@ PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in th
 PREVIEW_ROUNDS_OUT = 4  # preview rounds (each: one image per prompt) in the `previews` output
 
 
+class SaveFailed(OSError):
+    """A file of the run could not be written (a full disk, a folder gone read-only): one line
+    naming what, where, why, and the newest complete checkpoint to resume from."""
+
+    def __init__(self, message: str, step: int):
+        super().__init__(message)
+        self.step = step
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def write_problem(error: BaseException) -> str:
+    """Why a write failed, in the operating system's words ("No space left on device")."""
+    if isinstance(error, OSError) and error.strerror:
+        return error.strerror
+    found = re.search(r'message: "([^"]+)"', str(error))  # safetensors' wrapped io::Error
+    return found.group(1) if found else str(error)
+
+
+def failed_save(
+    what: str, where: Path, step: int, error: BaseException, newest: str | None, resume: str = ""
+) -> SaveFailed:
+    resume = resume or (
+        f"nothing saved before is lost: the newest complete checkpoint is {newest}; make room and "
+        "resume from it (resume_from)"
+        if newest
+        else "no checkpoint of this run was complete yet; make room and start it again"
+    )
+    return SaveFailed(
+        f"could not write the {what} at step {step} to {where}: {write_problem(error)}; {resume}", step
+    )
+
+
+WRITE_ERRORS = (OSError, SafetensorError)
+
+
 class CheckpointWriter:
     """This run's checkpoints: a folder of its own (made at the first save, so a run that
     fails early leaves none), at most one per step, the newest `keep_last` kept. Data
@@ -58,7 +98,7 @@ class CheckpointWriter:
     ):
         self.paths, self.config, self.record, self.facts = paths, config, record, facts
         self.tracker, self.collective = tracker, collective
-        self.resuming = resumed_from is not None
+        self.resuming, self.resumed_from = resumed_from is not None, resumed_from
         self.folder: Path | None = None
         self.saved: dict[int, Path] = {}
         # keep_last counts the logical run across resumes: the checkpoints this one continues
@@ -95,24 +135,48 @@ class CheckpointWriter:
         modules, metadata = session.lora.modules(), training_metadata(self.config, self.facts, step)
         with self.tracker.timed("checkpoint"):
             if snapshot:
-                self.save_snapshot(session, step, modules, metadata)
-            if self.folder is None:  # a new folder per run: a resume never touches the run it came from
-                self.folder = new_run_folder(self.paths.checkpoints)
-            path = save_checkpoint(
-                self.folder,
-                step,
-                modules,
-                result.optimizer,
-                rng,
-                result.losses,
-                self.record,
-                metadata,
-                validation=result.validation,
-            )
+                try:
+                    self.save_snapshot(session, step, modules, metadata)
+                except WRITE_ERRORS as error:
+                    raise failed_save("snapshot", self.paths.snapshots, step, error, self.newest()) from None
+            try:
+                path = self._save_checkpoint(step, modules, result, rng, metadata)
+            except WRITE_ERRORS as error:
+                if self.folder is not None and not any(self.folder.iterdir()):  # none written in it
+                    self.folder.rmdir()
+                    self.folder = None
+                where = self.folder or self.paths.checkpoints
+                raise failed_save("checkpoint", where, step, error, self.newest()) from None
             gone = prune(self.folder, self.config.keep_last, self.lineage)
             self.lineage = [c for c in self.lineage if c not in gone]
         self.saved[step] = path
         return path
+
+    def newest(self) -> str | None:
+        """The newest complete checkpoint of this logical run, as resume_from lists it."""
+        saved = [path for path in self.saved.values() if path is not None and path.is_dir()]
+        newest = saved[-1] if saved else (self.lineage[-1] if self.lineage else self.resumed_from)
+        if newest is None:
+            return None
+        for root in (self.paths.checkpoints_root, self.paths.checkpoints_root.resolve()):
+            with contextlib.suppress(ValueError):
+                return Path(newest).relative_to(root).as_posix()
+        return str(newest)  # outside this base directory (the command line's absolute path)
+
+    def _save_checkpoint(self, step, modules, result, rng, metadata) -> Path:
+        if self.folder is None:  # a new folder per run: a resume never touches the run it came from
+            self.folder = new_run_folder(self.paths.checkpoints)
+        return save_checkpoint(
+            self.folder,
+            step,
+            modules,
+            result.optimizer,
+            rng,
+            result.losses,
+            self.record,
+            metadata,
+            validation=result.validation,
+        )
 
     def drop_replaced_snapshots(self) -> None:
         """This run's LoRA replaced the name's earlier one: the snapshots set aside go too."""

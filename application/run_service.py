@@ -32,6 +32,7 @@ from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
 from .run_policy import check_existing, checkpoints_root, loras_dir, temp_dir
+from .run_reports import SaveFailed, write_problem
 from .training_run import Run, TrainingOutcome, run_training
 
 
@@ -102,8 +103,16 @@ class PreparedRun:
         if outcome.cancelled:
             return None
         chart = draw_loss_chart(outcome.losses, validation=outcome.validation)
+        paths = outcome.paths or self.paths
         if self.run.rank == 0:
-            save_png_atomic(chart, (outcome.paths or self.paths).loss_chart)
+            try:
+                save_png_atomic(chart, paths.loss_chart)
+            except OSError as error:
+                raise SaveFailed(
+                    f"could not write the loss chart to {paths.loss_chart}: {write_problem(error)}; the "
+                    f"LoRA itself is saved, {paths.lora}",
+                    len(outcome.losses),
+                ) from None
         return chart
 
 

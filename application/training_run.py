@@ -45,7 +45,16 @@ from ..trainer_core.rng import RandomState
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.validation import evaluating, held_out_loss
-from .run_reports import CheckpointWriter, PreviewRounds, announce_estimate, out_of_memory, start_tracking
+from .run_reports import (
+    WRITE_ERRORS,
+    CheckpointWriter,
+    PreviewRounds,
+    SaveFailed,
+    announce_estimate,
+    failed_save,
+    out_of_memory,
+    start_tracking,
+)
 
 LOGGER = logging.getLogger("kontext_trainer")
 
@@ -240,6 +249,9 @@ class TrainingRun:
             except NonFiniteLoss as error:
                 self.job.report(status=JobStatus.ERROR, message=str(error))
                 raise
+            except SaveFailed as error:  # the step it failed at had finished: the progress says so
+                self.job.report(step=error.step, status=JobStatus.ERROR, message=str(error))
+                raise
             except torch.OutOfMemoryError as error:
                 raise out_of_memory(error, estimate) from None
             if result.stopped_early:
@@ -328,8 +340,15 @@ class TrainingRun:
     # 5) a finished one: a checkpoint (to continue with more steps), the LoRA, the last previews
     def finished(self, session: LoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
         config = self.config
-        self.checkpoints.save(session, config.steps, result)
-        saved = self.save_lora(session, training_metadata(config, self.facts, config.steps))
+        final = self.checkpoints.save(session, config.steps, result)
+        try:
+            saved = self.save_lora(session, training_metadata(config, self.facts, config.steps))
+        except WRITE_ERRORS as error:
+            kept = (
+                f"the trained LoRA is complete in the final checkpoint, {final / 'lora.safetensors'} "
+                "(float32): make room and copy it, or resume that checkpoint with more steps"
+            )
+            raise failed_save("LoRA", self.paths.loras_dir, config.steps, error, None, kept) from None
         if self.saved_paths == self.paths:  # this run replaces the name's earlier run now
             self.checkpoints.drop_replaced_snapshots()
         lora_state = _read_back(saved)

@@ -127,6 +127,46 @@ class FailingDataset:
         return (failing,)
 
 
+class DiskFull:
+    """Passes the MODEL through, and from now on lets the pack write `after_writes` more
+    safetensors files (LoRAs, snapshots, checkpoint parts) before each further one fails as
+    safetensors fails on a full disk (its io error 28); `after_writes` -1: room again."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "fill"
+    ENOSPC = (
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
+        'device" })'
+    )
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "after_writes": ("INT", {"default": 0, "min": -1})}}
+
+    def fill(self, model, after_writes):
+        import sys
+
+        from safetensors import SafetensorError
+
+        (module,) = [m for name, m in sys.modules.items() if name.endswith("trainer_core.lora_file")]
+        original = getattr(module, "_kt_original_save_file", module.save_file)
+        module._kt_original_save_file = original
+        if after_writes < 0:
+            module.save_file = original
+            return (model,)
+        writes = []
+
+        def save_file(*args, **kwargs):
+            writes.append(1)
+            if len(writes) > after_writes:
+                raise SafetensorError(self.ENOSPC)
+            return original(*args, **kwargs)
+
+        module.save_file = save_file
+        return (model,)
+
+
 class ModelDifference:
     """Max |difference| of two MODELs' outputs on a fixed input, shown as UI output."""
 
@@ -258,6 +298,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFlux2TextEncoder": TinyFlux2TextEncoder,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
+    "KTTest_DiskFull": DiskFull,
     "KTTest_ModelDifference": ModelDifference,
     "KTTest_MappedWeights": MappedWeights,
     "KTTest_AnonymousMemory": AnonymousMemory,
