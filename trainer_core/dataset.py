@@ -68,6 +68,7 @@ class KontextDataset:
     notices: list[str] = field(default_factory=list)
     encoded_images: int = 0  # encoder calls made while building (0 on a fully cached pass)
     encoded_texts: int = 0
+    text_tokens: int = 0  # the longest encoded caption's context length (the VRAM estimate's)
 
     @property
     def reference_count(self) -> int:
@@ -199,4 +200,5 @@ def build_dataset(
         list(scan.notices),
         encoded["images"],
         encoded["texts"],
+        max(cache.shape("text", key, "context")[-2] for key in [*text_keys.values(), empty_key]),
     )

@@ -83,6 +83,13 @@ def _check_references(
     slots_of = {stem: references.get(stem, {}) for stem in targets}
     counts = Counter(len(slots) for slots in slots_of.values() if slots)
     expected = max(counts, key=lambda count: (counts[count], count)) if counts else 0
+    if expected > MAX_REFERENCES:  # each reference adds its tokens to every step
+        stem = next(stem for stem, slots in slots_of.items() if len(slots) == expected)
+        problems.append(
+            f"{targets[stem]}: its samples have {expected} references each; at most {MAX_REFERENCES} "
+            "are supported (each one adds its image tokens to every step); use fewer references"
+        )
+        return {stem: [] for stem in slots_of}
     for stem, slots in slots_of.items():
         target = targets[stem]
         for slot in range(expected):
@@ -172,11 +179,25 @@ def _scan_parallel(root: Path, problems: list[str]) -> list[SampleFiles]:
     return samples
 
 
+# What one sample may cost before anything encodes it (a 2 MB caption was 363,640 tokens, and
+# the text encoder's memory grew until the kernel killed the server): a caption's length (Flux's
+# T5 was trained on 512 tokens, about 2,000 characters; ComfyUI's tokenizer does not cut a
+# longer one), and the references per sample (FLUX.2 takes up to 10 reference images).
+MAX_CAPTION_CHARS = 8192
+MAX_REFERENCES = 10
+
+
 def read_caption(path: Path | None) -> str:
     if path is None:
         return ""
     try:
-        return path.read_text(encoding="utf-8-sig").strip()
+        size = path.stat().st_size
+        if size > 4 * MAX_CAPTION_CHARS:  # over the limit in any UTF-8 text: not read whole
+            raise FileProblem(_long_caption(path, f"{size:,} bytes"))
+        text = path.read_text(encoding="utf-8-sig").strip()
+        if len(text) > MAX_CAPTION_CHARS:
+            raise FileProblem(_long_caption(path, f"{len(text):,} characters"))
+        return text
     except UnicodeDecodeError:
         raise FileProblem(f"{path}: the caption is not UTF-8 text; save it as UTF-8") from None
     except OSError as error:
@@ -184,6 +205,14 @@ def read_caption(path: Path | None) -> str:
             f"{path}: the caption cannot be read ({error.strerror or error}); check that ComfyUI may "
             "read it, or remove it"
         ) from None
+
+
+def _long_caption(path: Path, length: str) -> str:
+    return (
+        f"{path}: the caption is {length} long, over the {MAX_CAPTION_CHARS:,}-character limit (Flux's "
+        "text encoder was trained on 512 tokens, about 2,000 characters, and a longer caption costs "
+        "memory without helping); shorten it"
+    )
 
 
 def _check_image(path: Path, min_size: int, decode: bool, problems: list[str], notices: list[str]) -> None:

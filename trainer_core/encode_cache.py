@@ -12,6 +12,7 @@ import hashlib
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .atomic import new_temp_file
 from .lora_file import load, save_atomic
@@ -67,6 +68,11 @@ class EncodeCache:
     def put(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
         state = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
         save_atomic(state, self.path(kind, key))
+
+    def shape(self, kind: str, key: str, name: str) -> tuple[int, ...]:
+        """A cached tensor's shape, from the file's header (nothing loaded)."""
+        with safe_open(str(self.path(kind, key)), framework="pt") as handle:
+            return tuple(handle.get_slice(name).get_shape())
 
     def load(self, kind: str, key: str) -> dict[str, torch.Tensor]:
         """An entry that must exist (the dataset was built); a clear error if it was deleted."""

@@ -113,3 +113,18 @@ def test_nan_preview_settings_are_refused_by_name(server, good_set, field, limit
     graph["8"]["inputs"][field] = math.nan
     assert run_failing(server, graph) == f"{field} is nan; give a finite number {limits}"
     assert not (loras(server) / f"kt_bad_preview_{field}.safetensors").exists()
+
+
+def test_a_huge_caption_is_refused_by_name_and_the_server_lives(server, tmp_path):
+    """Issue 32: a 2,000,000-byte caption was tokenised to 363,640 tokens and the kernel
+    killed ComfyUI for its memory, with every open workflow. Now it is refused before
+    anything encodes, naming the file."""
+    root = write_one_folder(tmp_path / "set", ["a", "b"], size=(64, 64))
+    (root / "a.txt").write_text("a long caption " * 140_000, encoding="utf-8")
+    graph = training_graph(root, "kt_bad_caption", steps=1)
+    graph["4"]["inputs"]["cache_folder"] = str(tmp_path / "cache")
+    message = run_failing(server, graph)
+    assert f"{root / 'a.txt'}: the caption is 2,100,000 bytes long, over the 8,192-character limit" in message
+    assert "shorten it" in message
+    assert not (tmp_path / "cache").exists() and not (loras(server) / "kt_bad_caption.safetensors").exists()
+    assert server.get_json("/system_stats")["system"]  # still serving

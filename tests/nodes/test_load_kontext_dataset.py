@@ -186,3 +186,39 @@ def test_a_cache_folder_that_cannot_be_created_is_named(node, encoders, tmp_path
             f"cache_folder: cannot create or write to {cache} ({reason}); give a folder ComfyUI may "
             "create and write to, or leave cache_folder empty to use output/kontext_trainer_cache"
         )
+
+
+def test_the_estimate_counts_the_longest_encoded_caption(node, encoders, pack, tmp_path):
+    """Issue 32: the VRAM estimate assumed 512 text tokens whatever the captions encoded to
+    (ComfyUI's tokenizers cut nothing: this CLIP encodes a long caption in 77-token chunks)."""
+    flux = importlib.import_module(f"{pack.__name__}.comfy_adapter.model_family")
+    config = importlib.import_module(f"{pack.__name__}.trainer_core.config").TrainConfig(rank=2)
+    model = tiny_flux_patcher(seed=3)
+    estimates = {}
+    for name, caption in (("short", "a red cube"), ("long", " ".join(["red cube"] * 600))):
+        root = write_one_folder(tmp_path / name, ["a", "b"], references=1, size=(64, 64))
+        (root / "b.txt").write_text(caption, encoding="utf-8")
+        dataset, _ = run(node, encoders, path=root, cache=tmp_path / "cache")
+        longest = max(dataset.sample(e).context.shape[0] for e in dataset.entries)
+        assert dataset.text_tokens == longest
+        estimates[name] = (longest, flux.vram_estimate(model, dataset, config))
+    (short_tokens, short), (long_tokens, long) = estimates["short"], estimates["long"]
+    assert short_tokens == 77 and long_tokens > 512  # 1,200 words: past the 512 assumed before
+    assert long.activations > short.activations and long.total > short.total
+
+
+def test_a_huge_caption_or_too_many_references_are_refused_before_encoding(node, encoders, tmp_path):
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
+    (root / "a.txt").write_text("x" * 2_000_000, encoding="utf-8")
+    (root / "b.txt").write_text("y" * 8_193, encoding="utf-8")
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError) as caught:
+        run(node, encoders, path=root, cache=cache)
+    message = str(caught.value)
+    assert f"{root / 'a.txt'}: the caption is 2,000,000 bytes long, over the 8,192-character limit" in message
+    assert f"{root / 'b.txt'}: the caption is 8,193 characters long" in message
+    assert not cache.exists()
+    many = write_one_folder(tmp_path / "many", ["a"], references=11, size=(32, 32))
+    with pytest.raises(ValueError, match=r"a.png: its samples have 11 references each; at most 10"):
+        run(node, encoders, path=many, cache=cache)
+    assert not cache.exists()

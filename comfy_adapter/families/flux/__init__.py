@@ -21,7 +21,7 @@ from ...comfy_quantized import stored_weight_bytes
 from .. import ModelFamily, register
 from . import blocks, lora_names, reference_ids
 from .lora_targets import target_module_names
-from .vram import FluxShape, estimate_vram
+from .vram import T5_TOKENS, FluxShape, estimate_vram
 
 # Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
 # their text ids, layers or text encoder differ, and training them is not proven. Told apart by
@@ -233,6 +233,9 @@ class FluxFamily(ModelFamily):
             blocks_to_swap=config.blocks_to_swap,
             gradient_checkpointing=config.gradient_checkpointing,
             optimizer=config.optimizer,
+            # the real context (ComfyUI's T5 tokenizer pads to 256 and cuts nothing); a dataset
+            # built before this was recorded counts as T5_TOKENS
+            text_tokens=max(T5_TOKENS, getattr(dataset, "text_tokens", 0)),
         )
 
 
