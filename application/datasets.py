@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..comfy_adapter.comfy_encoders import comfy_encoders
 from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
-from ..trainer_core.dataset_files import scan_dataset
+from ..trainer_core.dataset_files import DatasetProblems, scan_dataset
 from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
 from ..trainer_core.encode_cache import EncodeCache
 
@@ -47,15 +47,54 @@ def resolve_dataset_folder(folder: str, path: str, input_dir: Path) -> Path:
     return chosen
 
 
-def resolve_cache_folder(cache_folder: str, output_dir: Path) -> Path:
+def within(directory: Path, target: Path) -> bool:
+    """True if `target` resolves inside `directory` (both with their links resolved): the rule
+    of ComfyUI 0.33's `folder_paths.is_within_directory`, applied the same on 0.3.75, which
+    lacks it."""
+    try:
+        directory, target = os.path.realpath(directory), os.path.realpath(target)
+        return os.path.commonpath((directory, target)) == directory
+    except ValueError:  # a NUL byte, or another drive on Windows: not safely inside
+        return False
+
+
+def resolve_cache_folder(
+    cache_folder: str, output_dir: Path, confined_to: tuple[Path, ...] | None = None
+) -> Path:
+    """The cache folder: empty is output/kontext_trainer_cache, a relative name a folder of the
+    output directory (in the node and the command line alike). `confined_to` (the graph's
+    node: ComfyUI's output and temp folders): the folder must lie inside one of them, as
+    SaveImage's folders must; None (the command line's run file, which names what it wants):
+    any folder."""
     if not cache_folder.strip():
         return Path(output_dir) / CACHE_FOLDER_NAME
     chosen = Path(cache_folder.strip()).expanduser()
-    if not chosen.is_absolute():
+    chosen = chosen if chosen.is_absolute() else Path(output_dir) / chosen
+    if confined_to is not None and not any(within(folder, chosen) for folder in confined_to):
         raise ValueError(
-            f"cache_folder: '{cache_folder}' is not absolute; give a full path or leave it empty"
+            f"cache_folder: '{cache_folder}' is outside ComfyUI's output and temp folders, where "
+            "this node may write; give a folder name (made in the output folder), a path inside "
+            f"them, or leave it empty for output/{CACHE_FOLDER_NAME} (a run file of the command "
+            "line may name any folder)"
         )
     return chosen
+
+
+def check_files_within(scan, input_dir: Path) -> None:
+    """A dataset picked in ComfyUI's input directory reads nothing outside it: a file there
+    that is a link leading out (a caption linked to /etc/hostname) is refused by name, as a
+    linked folder is (`resolve_dataset_folder`)."""
+    problems = []
+    for sample in scan.samples:
+        for file in [sample.target, *sample.references, *([sample.caption] if sample.caption else [])]:
+            if not within(input_dir, file):
+                problems.append(
+                    f"{file}: a link to {os.path.realpath(file)}, outside ComfyUI's input directory; "
+                    "links out of it are not followed: copy the file into the dataset, or give the "
+                    "dataset's location in path"
+                )
+    if problems:
+        raise DatasetProblems(scan.root, problems)
 
 
 def prepare_cache_folder(cache_root: Path) -> None:
@@ -88,17 +127,29 @@ def summary(dataset: KontextDataset) -> str:
 
 
 def load_dataset(
-    vae, clip, options: DatasetOptions, progress: Callable[[int, int], None] | None = None
+    vae,
+    clip,
+    options: DatasetOptions,
+    progress: Callable[[int, int], None] | None = None,
+    confined: bool = True,
 ) -> tuple[KontextDataset, str]:
     """The dataset `options` describe, encoded with `vae` and `clip` (ComfyUI's VAE and CLIP),
     and its report. Folders resolve against ComfyUI's input and output directories. The whole
     folder is validated first (every problem in one ValueError, nothing written); `progress(done,
-    total)` follows the encoding."""
+    total)` follows the encoding. `confined` off (the command line): the cache may be any
+    absolute folder."""
     import folder_paths
 
-    root = resolve_dataset_folder(options.folder, options.path, Path(folder_paths.get_input_directory()))
-    cache_root = resolve_cache_folder(options.cache_folder, Path(folder_paths.get_output_directory()))
+    input_dir, output_dir = (
+        Path(folder_paths.get_input_directory()),
+        Path(folder_paths.get_output_directory()),
+    )
+    root = resolve_dataset_folder(options.folder, options.path, input_dir)
+    writable = (output_dir, Path(folder_paths.get_temp_directory())) if confined else None
+    cache_root = resolve_cache_folder(options.cache_folder, output_dir, writable)
     scan = scan_dataset(root, min_size=options.min_size)  # raises with every problem; nothing written
+    if not options.path.strip():  # picked in the input directory: nothing read from outside it
+        check_files_within(scan, input_dir)
     prepare_cache_folder(cache_root)
     settings = DatasetSettings(
         options.resolution,

@@ -127,11 +127,13 @@ def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None)
     rank = distributed.rank_of(collective)
     dataset = report = None
     if first:
-        dataset, report = load_dataset(vae, clip, config.dataset, progress=_encode_progress(rank))
+        dataset, report = load_dataset(
+            vae, clip, config.dataset, progress=_encode_progress(rank), confined=False
+        )
     if collective is not None:
         collective.barrier("waiting for the dataset cache")
         if not first:
-            dataset, report = load_dataset(vae, clip, config.dataset)
+            dataset, report = load_dataset(vae, clip, config.dataset, confined=False)
         digest = torch.frombuffer(bytearray(dataset.content_hash.encode("ascii")), dtype=torch.uint8)
         seen = {bytes(t.tolist()).decode("ascii") for t in collective.gather(digest, "comparing datasets")}
         if len(seen) > 1:

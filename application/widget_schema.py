@@ -218,7 +218,14 @@ LOAD_KONTEXT_DATASET: tuple[Widget, ...] = (
     Widget("background", "Transparent pixels are composited onto this colour."),
     Widget("hold_out", "Samples kept out of training for validation."),
     Widget("seed", "Chooses the held-out samples.", control_after_generate=False),
-    Widget("cache_folder", f"Where latents and embeddings are cached; empty = output/{CACHE_FOLDER_NAME}."),
+    Widget(
+        "cache_folder",
+        (
+            f"Where latents and embeddings are cached; empty = output/{CACHE_FOLDER_NAME}, a name = a "
+            "folder of output/. In the graph it must lie in ComfyUI's output or temp folder; a run "
+            "file of the command line may name any folder."
+        ),
+    ),
 )
 
 PREVIEW_SAMPLER: tuple[Widget, ...] = (

@@ -4,7 +4,6 @@ a clear error naming the file or the field and what to do, and leaves nothing wr
 from __future__ import annotations
 
 import math
-import shutil
 import urllib.error
 
 import pytest
@@ -39,13 +38,14 @@ def test_a_decompression_bomb_is_one_named_problem_among_the_others(server, tmp_
     write_huge_png(root / "big.png", 20000, 20000)
     (root / "b_control.png").unlink()
     graph = training_graph(root, "kt_bad_bomb", steps=1)
-    graph["4"]["inputs"]["cache_folder"] = str(tmp_path / "cache")
+    cache = server.base_dir / "output" / "kt_bad_bomb_cache"
+    graph["4"]["inputs"]["cache_folder"] = str(cache)
     message = run_failing(server, graph)
     assert f"The dataset in {root} has 3 problem(s); nothing was encoded" in message
     assert f"{root / 'big.png'}: 20000x20000 px is over the 4096 px limit on a side; downscale it" in message
     assert f"{root / 'b_control.png'} (or .jpg / .webp) is missing: a.png has a_control.png" in message
     assert f"{root / 'big_control.png'} (or .jpg / .webp) is missing" in message
-    assert not (tmp_path / "cache").exists()
+    assert not cache.exists()
 
 
 def test_a_lora_name_too_long_in_bytes_is_refused_before_training(server, good_set):
@@ -94,7 +94,7 @@ def test_a_linked_dataset_folder_says_to_use_path(server, tmp_path):
 
 
 def test_a_cache_folder_that_cannot_be_created_is_named(server, good_set, tmp_path):
-    blocker = tmp_path / "a_file"
+    blocker = server.base_dir / "output" / "kt_a_file"
     blocker.write_text("not a folder", encoding="utf-8")
     graph = training_graph(good_set, "kt_bad_cache", steps=1)
     graph["4"]["inputs"]["cache_folder"] = str(blocker / "cache")
@@ -104,7 +104,45 @@ def test_a_cache_folder_that_cannot_be_created_is_named(server, good_set, tmp_pa
         "folder); give a folder ComfyUI may create and write to, or leave cache_folder empty to use "
         "output/kontext_trainer_cache"
     )
-    shutil.rmtree(tmp_path, ignore_errors=True)
+    blocker.unlink()
+
+
+def test_the_node_writes_its_cache_only_in_comfyuis_folders(server, good_set, tmp_path):
+    """Issue 32: LoadKontextDataset wrote its cache wherever cache_folder pointed (/tmp/..., or
+    models/loras, where the entries showed up in every LoRA list)."""
+    for outside in (tmp_path / "cache", server.base_dir / "models" / "loras" / "kt_cache"):
+        graph = training_graph(good_set, "kt_bad_cache_place", steps=1)
+        graph["4"]["inputs"]["cache_folder"] = str(outside)
+        message = run_failing(server, graph)
+        assert message.startswith(f"cache_folder: '{outside}' is outside ComfyUI's output and temp folders")
+        assert not outside.exists()
+    graph = training_graph(good_set, "kt_cache_place", steps=1)
+    graph["4"]["inputs"]["cache_folder"] = "kt_named_cache"  # a name: a folder of output/
+    _, messages = server.run_prompt(graph)
+    assert messages[-1]["type"] == "execution_success", messages[-1]
+    assert any((server.base_dir / "output" / "kt_named_cache").rglob("*.safetensors"))
+
+
+def test_a_dataset_file_linked_out_of_the_input_folder_is_refused(server, tmp_path):
+    """Issue 32: a caption linked to a file outside input/ (/etc/hostname) and an image linked
+    elsewhere were trained on without notice, while a linked folder was refused."""
+    root = write_one_folder(server.base_dir / "input" / "kt_bad_links", ["a", "b"], size=(64, 64))
+    elsewhere = write_one_folder(tmp_path / "elsewhere", ["x"], size=(64, 64))
+    (root / "a.txt").unlink()
+    (root / "a.txt").symlink_to("/etc/hostname")
+    (root / "b.png").unlink()
+    (root / "b.png").symlink_to(elsewhere / "x.png")
+    shared = server.base_dir / "input" / "kt_shared_caption.txt"
+    shared.write_text("a shared caption", encoding="utf-8")
+    (root / "b.txt").unlink()
+    (root / "b.txt").symlink_to(shared)  # a link that stays inside input/ is fine
+    graph = training_graph(root, "kt_bad_links", steps=1)
+    graph["4"]["inputs"].update({"folder": "kt_bad_links", "path": ""})
+    message = run_failing(server, graph)
+    assert f"{root / 'a.txt'}: a link to /etc/hostname, outside ComfyUI's input directory" in message
+    assert f"{root / 'b.png'}: a link to {elsewhere / 'x.png'}, outside ComfyUI's input directory" in message
+    assert "has 2 problem(s); nothing was encoded" in message and "b.txt" not in message
+    assert not (loras(server) / "kt_bad_links.safetensors").exists()
 
 
 @pytest.mark.parametrize("field,limits", [("cfg", "from 1.0 to 30.0"), ("guidance", "from 0.0 to 100.0")])
@@ -122,9 +160,10 @@ def test_a_huge_caption_is_refused_by_name_and_the_server_lives(server, tmp_path
     root = write_one_folder(tmp_path / "set", ["a", "b"], size=(64, 64))
     (root / "a.txt").write_text("a long caption " * 140_000, encoding="utf-8")
     graph = training_graph(root, "kt_bad_caption", steps=1)
-    graph["4"]["inputs"]["cache_folder"] = str(tmp_path / "cache")
+    cache = server.base_dir / "output" / "kt_bad_caption_cache"
+    graph["4"]["inputs"]["cache_folder"] = str(cache)
     message = run_failing(server, graph)
     assert f"{root / 'a.txt'}: the caption is 2,100,000 bytes long, over the 8,192-character limit" in message
     assert "shorten it" in message
-    assert not (tmp_path / "cache").exists() and not (loras(server) / "kt_bad_caption.safetensors").exists()
+    assert not cache.exists() and not (loras(server) / "kt_bad_caption.safetensors").exists()
     assert server.get_json("/system_stats")["system"]  # still serving

@@ -73,7 +73,7 @@ def graph_train(comfy_runtime, files, name: str, steps: int, resume: str = "none
         "background": "white",
         "hold_out": 0,
         "seed": 0,
-        "cache_folder": str(files.cache),
+        "cache_folder": "",  # the node's cache stays in ComfyUI's output folder
         **DATASET,
     }
     dataset = run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]

@@ -44,6 +44,13 @@ def input_dir(comfy_runtime):
     return Path(folder_paths.get_input_directory())
 
 
+def cache_in(tmp_path) -> Path:
+    """A cache folder of this test's own in ComfyUI's output folder (the node writes nowhere else)."""
+    import folder_paths
+
+    return Path(folder_paths.get_output_directory()) / "kt_test_caches" / tmp_path.name
+
+
 def run(node, encoders, folder="", path="", cache="", **overrides):
     kwargs = {
         "folder": folder or node.USE_PATH,
@@ -63,7 +70,7 @@ def run(node, encoders, folder="", path="", cache="", **overrides):
 
 def test_one_folder_in_the_input_directory(node, encoders, input_dir, tmp_path):
     write_one_folder(input_dir / "kt_one", ["cat", "dog"], references=2, size=(96, 64))
-    dataset, report = run(node, encoders, folder="kt_one", cache=tmp_path / "cache")
+    dataset, report = run(node, encoders, folder="kt_one", cache=cache_in(tmp_path))
     assert [e.name for e in dataset.entries] == ["cat", "dog"]
     entry = dataset.entries[0]
     # 96x64 at 256: scale = 256 / sqrt(96 * 64) = 3.266; 313.5 -> 320, 209.0 -> 208
@@ -78,7 +85,7 @@ def test_one_folder_in_the_input_directory(node, encoders, input_dir, tmp_path):
 
 def test_parallel_folders_by_absolute_path_and_hold_out(node, encoders, tmp_path):
     root = write_parallel(tmp_path / "set", ["a", "b", "c"], references=1, size=(64, 64))
-    dataset, _ = run(node, encoders, path=root, cache=tmp_path / "cache", hold_out=1)
+    dataset, _ = run(node, encoders, path=root, cache=cache_in(tmp_path), hold_out=1)
     assert dataset.folder_structure == "parallel_folders"
     assert len(dataset.entries) == 2 and len(dataset.held_out) == 1
 
@@ -87,7 +94,7 @@ def test_problems_are_reported_and_nothing_is_written(node, encoders, tmp_path):
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1)
     (root / "b_control.png").write_bytes(b"")
     color_image(64, 48, seed=4).save(root / "orphan_control.png")
-    cache = tmp_path / "cache"
+    cache = cache_in(tmp_path)
     with pytest.raises(ValueError) as caught:
         run(node, encoders, path=root, cache=cache)
     assert "b_control.png: the file is empty" in str(caught.value)
@@ -99,9 +106,9 @@ def test_second_pass_never_runs_the_encoders(node, tmp_path):
     vae, clip = small_flux_vae(seed=1), tiny_clip(seed=2)
     vae_calls, clip_calls = Counting(vae, "encode"), Counting(clip, "encode_from_tokens_scheduled")
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
-    first, _ = run(node, {"vae": vae, "clip": clip}, path=root, cache=tmp_path / "cache")
+    first, _ = run(node, {"vae": vae, "clip": clip}, path=root, cache=cache_in(tmp_path))
     assert (vae_calls.calls, clip_calls.calls) == (4, 3)  # 2 targets + 2 refs; 2 captions + empty
-    second, report = run(node, {"vae": vae, "clip": clip}, path=root, cache=tmp_path / "cache")
+    second, report = run(node, {"vae": vae, "clip": clip}, path=root, cache=cache_in(tmp_path))
     assert (vae_calls.calls, clip_calls.calls) == (4, 3)
     assert "encoded 0 image(s) and 0 caption(s); 7 cache hit(s)" in report
     assert torch.equal(first.sample(first.entries[1]).target, second.sample(second.entries[1]).target)
@@ -128,9 +135,38 @@ def test_paths_are_checked(pack, input_dir):
         datasets.resolve_dataset_folder("../../etc", "", input_dir)
     with pytest.raises(ValueError, match="folder: pick a folder"):
         datasets.resolve_dataset_folder(use_path, "", input_dir)
-    with pytest.raises(ValueError, match="cache_folder: 'cache' is not absolute"):
-        datasets.resolve_cache_folder("cache", input_dir)
+    # the command line (no confinement): a name is a folder of output/, a path any folder
+    assert datasets.resolve_cache_folder("cache", Path("/out")) == Path("/out/cache")
     assert datasets.resolve_cache_folder("", Path("/out")) == Path("/out") / datasets.CACHE_FOLDER_NAME
+    assert datasets.resolve_cache_folder("/anywhere/cache", Path("/out")) == Path("/anywhere/cache")
+
+
+def test_the_node_writes_its_cache_only_in_comfyuis_output_and_temp_folders(pack, tmp_path):
+    """Issue 32: the server wrote 50 cache entries into /tmp/..., and entries inside
+    models/loras showed up in every LoRA list."""
+    import folder_paths
+
+    datasets = importlib.import_module(f"{pack.__name__}.application.datasets")
+    output, temp = Path(folder_paths.get_output_directory()), Path(folder_paths.get_temp_directory())
+    confined = (output, temp)
+    assert datasets.resolve_cache_folder("mine", output, confined) == output / "mine"
+    assert datasets.resolve_cache_folder(str(temp / "c"), output, confined) == temp / "c"
+    escape = cache_in(tmp_path)
+    escape.mkdir(parents=True)
+    (escape / "out").symlink_to(tmp_path, target_is_directory=True)
+    loras = Path(folder_paths.get_folder_paths("loras")[0])
+    for outside in (
+        str(tmp_path / "cache"),
+        "../models/loras/cache",
+        str(loras / "c"),
+        str(escape / "out" / "c"),
+    ):
+        with pytest.raises(ValueError) as caught:
+            datasets.resolve_cache_folder(outside, output, confined)
+        assert str(caught.value).startswith(
+            f"cache_folder: '{outside}' is outside ComfyUI's output and temp folders, where this node "
+            "may write; give a folder name"
+        )
 
 
 def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
@@ -138,7 +174,7 @@ def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):
     loop = importlib.import_module(f"{pack.__name__}.trainer_core.loop")
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
     dataset, _ = run(
-        node, encoders, path=root, cache=tmp_path / "cache", resolution=256, reference_resolution=64
+        node, encoders, path=root, cache=cache_in(tmp_path), resolution=256, reference_resolution=64
     )
     model = tiny_flux_patcher(seed=3)
     samples = [dataset.sample(e, latent_in=model.model.process_latent_in) for e in dataset.entries]
@@ -160,7 +196,7 @@ def test_a_linked_folder_leading_out_of_the_input_directory_points_to_path(
 
     try:
         with pytest.raises((ValueError, PromptRejected)) as caught:
-            run(node, encoders, folder="kt_linked", cache=tmp_path / "cache")
+            run(node, encoders, folder="kt_linked", cache=cache_in(tmp_path))
     finally:
         (input_dir / "kt_linked").unlink()
     if isinstance(caught.value, PromptRejected):  # ComfyUI 0.33 checks combo values first: the
@@ -174,11 +210,12 @@ def test_a_linked_folder_leading_out_of_the_input_directory_points_to_path(
 
 def test_a_cache_folder_that_cannot_be_created_is_named(node, encoders, tmp_path):
     root = write_one_folder(tmp_path / "set", ["a"], references=0)
-    (tmp_path / "file.txt").write_text("not a folder", encoding="utf-8")
+    blocker = cache_in(tmp_path) / "file.txt"
+    blocker.parent.mkdir(parents=True)
+    blocker.write_text("not a folder", encoding="utf-8")
     for cache, reason in [
-        (tmp_path / "file.txt" / "cache", f"{tmp_path / 'file.txt'} is a file, not a folder"),
-        (tmp_path / "file.txt", f"{tmp_path / 'file.txt'} is a file, not a folder"),
-        (Path("/proc/kt_cache"), "No such file or directory"),
+        (blocker / "cache", f"{blocker} is a file, not a folder"),
+        (blocker, f"{blocker} is a file, not a folder"),
     ]:
         with pytest.raises(ValueError) as caught:
             run(node, encoders, path=root, cache=cache)
@@ -198,7 +235,7 @@ def test_the_estimate_counts_the_longest_encoded_caption(node, encoders, pack, t
     for name, caption in (("short", "a red cube"), ("long", " ".join(["red cube"] * 600))):
         root = write_one_folder(tmp_path / name, ["a", "b"], references=1, size=(64, 64))
         (root / "b.txt").write_text(caption, encoding="utf-8")
-        dataset, _ = run(node, encoders, path=root, cache=tmp_path / "cache")
+        dataset, _ = run(node, encoders, path=root, cache=cache_in(tmp_path))
         longest = max(dataset.sample(e).context.shape[0] for e in dataset.entries)
         assert dataset.text_tokens == longest
         estimates[name] = (longest, flux.vram_estimate(model, dataset, config))
@@ -211,7 +248,7 @@ def test_a_huge_caption_or_too_many_references_are_refused_before_encoding(node,
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
     (root / "a.txt").write_text("x" * 2_000_000, encoding="utf-8")
     (root / "b.txt").write_text("y" * 8_193, encoding="utf-8")
-    cache = tmp_path / "cache"
+    cache = cache_in(tmp_path)
     with pytest.raises(ValueError) as caught:
         run(node, encoders, path=root, cache=cache)
     message = str(caught.value)
