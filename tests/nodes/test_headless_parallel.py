@@ -36,6 +36,10 @@ from kt_testing.headless import (
 from kt_testing.paths import REPO_ROOT
 
 STEPS = 6
+# every random draw a step makes that belongs to the global sample (issue 32): caption and
+# reference dropout, input-noise gamma, besides each sample's timestep and noise. LoRA dropout
+# is the exception the README names (its masks are drawn per process).
+DRAWS = {"caption_dropout": 0.3, "reference_dropout": 0.3, "ip_noise_gamma": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +48,14 @@ def files(tmp_path_factory):
     dataset = write_one_folder(root / "data", list("abcdef"), references=1, size=(64, 64))
 
     def config(name: str, batch_size: int = 1, **train):
-        settings = {"lora_name": name, "steps": STEPS, "batch_size": batch_size, "save_every": 3, **train}
+        settings = {
+            "lora_name": name,
+            "steps": STEPS,
+            "batch_size": batch_size,
+            "save_every": 3,
+            **DRAWS,
+            **train,
+        }
         return write_config(
             root / f"{name}.toml", root / "base", dataset, root / "cache", settings, hold_out=1
         )
