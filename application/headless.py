@@ -171,8 +171,19 @@ def prepare_run(config: RunConfig, collective: Collective | None) -> PreparedRun
         resume,
         start_file(trainer.start_from_lora) if resume is None else None,
         collective,
+        model_file=_model_path(config.model.diffusion_model),
     )
     return prepare(request)
+
+
+def _model_path(value: str) -> Path | None:
+    """The diffusion model's file (for the LoRA's metadata), or None where it cannot be found
+    (loading it says why)."""
+    import folder_paths
+
+    path = Path(value).expanduser()
+    found = path if path.is_absolute() else folder_paths.get_full_path("diffusion_models", value)
+    return Path(found) if found is not None and Path(found).is_file() else None
 
 
 # --- 4) progress and stopping -------------------------------------------------------------------

@@ -46,6 +46,7 @@ class RunRequest:
     resume: Path | None = None  # a checkpoint folder to continue exactly
     start_from: Path | None = None  # a LoRA file whose weights seed a new run (unused on resume)
     collective: Collective | None = None  # data parallel (the CLI under torchrun)
+    model_file: Path | None = None  # the base model's file, when known (the LoRA's metadata names it)
 
 
 @dataclass
@@ -124,5 +125,14 @@ def prepare(request: RunRequest) -> PreparedRun:
     replaces = check_existing(paths, request.overwrite, resuming=resuming)
     state = read_state(request.resume) if resuming else None  # or a message naming what is missing
     start = None if resuming else request.start_from
-    run = Run(paths, request.resume, replaces, temp_dir(), start, request.collective, request.overwrite)
+    run = Run(
+        paths,
+        request.resume,
+        replaces,
+        temp_dir(),
+        start,
+        request.collective,
+        request.overwrite,
+        request.model_file,
+    )
     return PreparedRun(request, run, state)

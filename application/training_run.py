@@ -39,7 +39,7 @@ from ..trainer_core.flow_step import Sample
 from ..trainer_core.job import TrainingJob
 from ..trainer_core.loop import DataOrder, NonFiniteLoss, ResumeState, StepInfo, TrainResult, train
 from ..trainer_core.lora_file import LoraModule
-from ..trainer_core.lora_metadata import RunFacts, training_metadata
+from ..trainer_core.lora_metadata import ModelFile, RunFacts, tag_frequency, training_metadata
 from ..trainer_core.resume import continuation_notes, run_record
 from ..trainer_core.rng import RandomState
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials
@@ -71,6 +71,7 @@ class Run:
     # data parallel (headless under torchrun): this process's place; rank 0 writes every file
     collective: Collective | None = None
     overwrite: bool = False  # the user allows replacing the LoRA file (checked again at its rename)
+    model_file: Path | None = None  # the base model's file, when known (for the LoRA's metadata)
 
     @property
     def rank(self) -> int:
@@ -168,6 +169,7 @@ class TrainingRun:
         self.initial = resume.lora if resume else seeded
         self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
         self.notes = continuation_notes(resume.config, resume.step, config, self.base) if resume else []
+        self.notes += family_of(self.model).file_notes(config)
         for note in self.notes:
             LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
 
@@ -206,6 +208,10 @@ class TrainingRun:
             session_id=secrets.randbits(31),
             names=family.names,
             base_weights=weight_formats(model.model.diffusion_model),
+            **dataset_facts(dataset),
+            processes=run.world_size,
+            mixed_precision=mixed_precision(model),
+            model_file=ModelFile(run.model_file) if run.model_file is not None and self.writes else None,
         )
         self.checkpoints = CheckpointWriter(
             self.paths,
@@ -393,6 +399,26 @@ class TrainingRun:
             status=JobStatus.FINISHED, message=f"rank {self.run.rank}: done (rank 0 saved the LoRA)"
         )
         return TrainingOutcome(result.losses, validation=result.validation)
+
+
+def dataset_facts(dataset: KontextDataset) -> dict:
+    """What the LoRA's metadata says of the dataset, as sd-scripts describes one folder."""
+    entries = dataset.entries
+    return {
+        "dataset_dir": Path(dataset.source).name if getattr(dataset, "source", "") else "",
+        "tag_frequency": tag_frequency(e.caption for e in entries),
+        "buckets": tuple((size, len(indices)) for size, indices in dataset.buckets().items()),
+        "aspect_error": sum(getattr(e, "aspect_error", 0.0) for e in entries) / max(len(entries), 1),
+        "validation_images": len(dataset.held_out),
+        "validation_seed": dataset.settings.seed,
+    }
+
+
+def mixed_precision(model) -> str:
+    """The dtype ComfyUI computes the model in, as sd-scripts' ss_mixed_precision names it."""
+    base = model.model
+    dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
 
 
 def aside_note(aside: Path | None) -> str:

@@ -101,6 +101,29 @@ class SavedLoras:
 SAVED = SavedLoras()
 
 
+# the loaders whose file a MODEL comes from: their file widget and its models folder
+MODEL_FILE_WIDGETS = {"unet_name": "diffusion_models", "ckpt_name": "checkpoints"}
+
+
+def model_file_of(prompt: dict | None, node: str) -> Path | None:
+    """The file TrainLoRA `node`'s MODEL was loaded from (the LoRA's metadata names it, as
+    sd-scripts does), followed back through the nodes that pass a MODEL on (a LoRA loader, a
+    patch) to the loader; None where the graph does not say (a model built in the graph)."""
+    import folder_paths
+
+    link = ((prompt or {}).get(str(node), {}).get("inputs") or {}).get("model")
+    for _ in range(64):  # a graph is acyclic; this bounds a malformed one
+        if not (isinstance(link, list) and link):
+            return None
+        inputs = ((prompt or {}).get(str(link[0])) or {}).get("inputs") or {}
+        for widget, folder in MODEL_FILE_WIDGETS.items():
+            if isinstance(inputs.get(widget), str):
+                found = folder_paths.get_full_path(folder, inputs[widget])
+                return Path(found) if found else None
+        link = inputs.get("model")
+    return None
+
+
 def workflow_id(extra_pnginfo) -> str | None:
     """The id of the frontend workflow that queued this prompt (None for API prompts)."""
     workflow = (extra_pnginfo or {}).get("workflow") if isinstance(extra_pnginfo, dict) else None
@@ -216,7 +239,8 @@ class TrainLoRA(io.ComfyNode):
         config = TrainConfig(**settings)
         resume = resolve_resume(resume_from)
         start = resolve_start(start_from_lora) if resume is None else None
-        prepared = prepare(RunRequest(lora_name, config, overwrite, resume, start))
+        model_file = model_file_of(cls.hidden.prompt, node)
+        prepared = prepare(RunRequest(lora_name, config, overwrite, resume, start, model_file=model_file))
         prepared.check_fit(model, dataset)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()

@@ -55,6 +55,7 @@ class DatasetEntry:
     reference_keys: list[str]
     reference_sizes: list[tuple[int, int]]
     text_key: str
+    aspect_error: float = 0.0  # |the image's aspect ratio - its size's| (sd-scripts' bucket AR error)
 
 
 @dataclass
@@ -69,6 +70,7 @@ class KontextDataset:
     encoded_images: int = 0  # encoder calls made while building (0 on a fully cached pass)
     encoded_texts: int = 0
     text_tokens: int = 0  # the longest encoded caption's context length (the VRAM estimate's)
+    source: str = ""  # the dataset folder it was built from
 
     @property
     def reference_count(self) -> int:
@@ -141,6 +143,7 @@ def build_dataset(
     total = sum(1 + len(s.references) for s in scan.samples) + len(set(captions)) + 1
     done = 0
     encoded = {"images": 0, "texts": 0}
+    errors: dict = {}
 
     def tick():
         nonlocal done
@@ -150,6 +153,8 @@ def build_dataset(
 
     def image(path, resolution) -> tuple[str, tuple[int, int]]:
         size = _planned_size(path, resolution)
+        width, height = upright_size(path)
+        errors[path] = abs(width / height - size[0] / size[1])
         key = _image_key(path, size, settings, encoders)
         if not cache.has("latents", key):
             pixels = resize_exact(read_image(path, settings.background).pixels, *size)
@@ -183,6 +188,7 @@ def build_dataset(
                 [key for key, _ in refs],
                 [size for _, size in refs],
                 text_keys[caption],
+                errors[files.target],
             )
         )
     held = set(
@@ -201,4 +207,5 @@ def build_dataset(
         encoded["images"],
         encoded["texts"],
         max(cache.shape("text", key, "context")[-2] for key in [*text_keys.values(), empty_key]),
+        str(scan.root),
     )

@@ -18,8 +18,9 @@ import datetime
 import hashlib
 import json
 import math
+import threading
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -66,6 +67,50 @@ class RunFacts:
     # how the base model's Linear weights were stored: {"quantized": {format: layers} (a file in
     # ComfyUI's quantized formats), "plain": {dtype: layers}}; None: not recorded
     base_weights: dict | None = None
+    # the dataset as sd-scripts describes one folder (ss_dataset_dirs, ss_tag_frequency,
+    # ss_bucket_info): its folder's name, each comma-separated tag's count over the training
+    # captions, the buckets ((width, height), samples) and their mean aspect-ratio error
+    dataset_dir: str = ""
+    tag_frequency: Mapping[str, int] = field(default_factory=dict)
+    buckets: tuple = ()
+    aspect_error: float = 0.0
+    validation_images: int = 0  # held-out samples, and the seed that picked them
+    validation_seed: int = 0
+    processes: int = 1  # data-parallel processes (ss_total_batch_size counts them)
+    mixed_precision: str = "no"  # the compute dtype as sd-scripts names it: "bf16", "fp16", "no"
+    model_file: ModelFile | None = None  # the base model's file (its name and hashes), if known
+
+
+class ModelFile:
+    """The base model's file as sd-scripts names it in a LoRA: its name (`ss_sd_model_name`),
+    the legacy hash (`ss_sd_model_hash`: SHA-256 of 64 KiB at 1 MiB into the file, 8 hex
+    digits) and the SHA-256 of the whole file (`ss_new_sd_model_hash`), computed in a thread
+    of its own so a run of a 20 GB model does not wait for it (`full_hash`)."""
+
+    def __init__(self, path: Path):
+        self.name = Path(path).name
+        with open(path, "rb") as handle:
+            handle.seek(_LEGACY_OFFSET)
+            self.legacy_hash = hashlib.sha256(handle.read(_LEGACY_LENGTH)).hexdigest()[:8]
+        self._full: str | None = None
+        self._thread = threading.Thread(target=self._hash, args=(Path(path),), daemon=True)
+        self._thread.start()
+
+    def _hash(self, path: Path) -> None:
+        digest = hashlib.sha256()
+        try:
+            with open(path, "rb") as handle:
+                while block := handle.read(_HASH_BLOCK * 8):
+                    digest.update(block)
+        except OSError:  # gone or unreadable meanwhile: the LoRA says nothing about it
+            return
+        self._full = digest.hexdigest()
+
+    def full_hash(self, wait: bool = False) -> str | None:
+        """The whole file's SHA-256; None while it is computed (`wait`: until it is)."""
+        if wait:
+            self._thread.join()
+        return self._full
 
 
 def fp8_base(base_weights: dict | None) -> bool:
@@ -83,8 +128,11 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
     # sd-scripts: the class's module and name, then the keyword arguments given to it
     optimizer = f"{optimizer_spec(config.optimizer).class_path}(weight_decay={config.weight_decay})"
     network_args = {"targets": config.targets, "dropout": config.dropout or None}
-    samples_per_step = config.batch_size * config.gradient_accumulation
+    samples_per_step = config.batch_size * facts.processes * config.gradient_accumulation
     per_epoch, accumulation = facts.batches_per_epoch, config.gradient_accumulation
+    epochs = math.ceil(config.steps * accumulation / per_epoch)
+    # sd-scripts: a step save records the whole passes done, the final save the epochs run
+    epoch = epochs if steps >= config.steps else steps * accumulation // per_epoch
     family = facts.names
     kohya = {
         "ss_session_id": str(facts.session_id),
@@ -96,10 +144,10 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_num_train_images": str(facts.train_images),
         "ss_num_reg_images": "0",
         "ss_num_batches_per_epoch": str(per_epoch),
-        "ss_num_epochs": str(math.ceil(config.steps * accumulation / per_epoch)),
+        "ss_num_epochs": str(epochs),
         "ss_max_train_steps": str(config.steps),
         "ss_steps": str(steps),
-        "ss_epoch": str(steps * accumulation // per_epoch),  # whole passes done
+        "ss_epoch": str(epoch),
         "ss_lr_warmup_steps": str(config.warmup_steps),
         "ss_lr_scheduler": str(config.schedule),
         "ss_optimizer": optimizer,
@@ -129,6 +177,9 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_logit_std": str(config.logit_std),
         "ss_weighting_scheme": str(config.loss_weighting),
         "ss_model_prediction_type": "raw",
+        **_sd_scripts_defaults(config, facts),
+        **_dataset_keys(facts),
+        **_model_file_keys(facts.model_file, final=steps >= config.steps),
     }
     spec = {
         "modelspec.sai_model_spec": MODELSPEC_VERSION,
@@ -160,6 +211,98 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         for key, value in ours.items()
     }
     return {**kohya, **spec, **ours_text}
+
+
+def _sd_scripts_defaults(config: TrainConfig, facts: RunFacts) -> dict[str, str]:
+    """The keys sd-scripts writes for options this trainer has not got, with the value that
+    describes what it did (no noise offset, an L2 loss, latents cached, ...), and the ones
+    that follow from its settings."""
+    fp8 = str(config.fp8_mode == "fp8_scaled" or fp8_base(facts.base_weights))
+    held = facts.validation_images
+    return {
+        "ss_mixed_precision": facts.mixed_precision,
+        "ss_full_fp16": "False",
+        "ss_lowram": "False",
+        "ss_cache_latents": "True",  # every run trains on cached latents and text embeddings
+        "ss_fp8_base_unet": fp8,
+        "ss_apply_t5_attn_mask": "False",  # ComfyUI's Flux attends to the whole T5 context
+        "ss_mode_scale": "1.29",  # sd-scripts' default; its "mode" weighting is not offered
+        "ss_noise_offset": "None",
+        "ss_noise_offset_random_strength": "False",
+        "ss_multires_noise_iterations": "None",
+        "ss_multires_noise_discount": "0.3",
+        "ss_adaptive_noise_scale": "None",
+        "ss_ip_noise_gamma_random_strength": "False",
+        "ss_zero_terminal_snr": "False",
+        "ss_debiased_estimation": "False",
+        "ss_min_snr_gamma": "None",
+        "ss_scale_weight_norms": "None",
+        "ss_loss_type": "l2",
+        "ss_huber_schedule": "snr",
+        "ss_huber_c": "0.1",
+        "ss_huber_scale": "1.0",
+        "ss_prior_loss_weight": "1.0",
+        "ss_caption_dropout_every_n_epochs": "0",
+        "ss_caption_tag_dropout_rate": "0.0",
+        "ss_clip_skip": "None",
+        "ss_max_token_length": "None",
+        "ss_face_crop_aug_range": "None",
+        "ss_training_comment": "None",
+        "ss_resize_interpolation": "lanczos",
+        "ss_num_validation_images": str(held),
+        "ss_validation_seed": str(facts.validation_seed) if held else "None",
+        "ss_validation_split": str(held / (held + facts.train_images)) if held else "0.0",
+        "ss_validate_every_n_steps": str(config.validate_every or config.steps) if held else "None",
+        "ss_validate_every_n_epochs": "None",
+        "ss_max_validation_steps": "None",
+    }
+
+
+def tag_frequency(captions) -> dict[str, int]:
+    """sd-scripts' tag count: each caption split at commas, each tag stripped and lowercased."""
+    counts: dict[str, int] = {}
+    for caption in captions:
+        for tag in caption.split(","):
+            if tag := tag.strip().lower():
+                counts[tag] = counts.get(tag, 0) + 1
+    return counts
+
+
+def _dataset_keys(facts: RunFacts) -> dict[str, str]:
+    """One folder, as sd-scripts writes a dataset given without a config file: no repeats, no
+    regularisation images, buckets by exact size (no augmentation, nothing shuffled)."""
+    folder = facts.dataset_dir or "dataset"
+    sides = [side for (size, _) in facts.buckets for side in size]
+    buckets = {
+        str(index): {"resolution": list(size), "count": count}
+        for index, (size, count) in enumerate(facts.buckets)
+    }
+    return {
+        "ss_dataset_dirs": json.dumps({folder: {"n_repeats": 1, "img_count": facts.train_images}}),
+        "ss_reg_dataset_dirs": json.dumps({}),
+        "ss_tag_frequency": json.dumps({folder: dict(facts.tag_frequency)}),
+        "ss_bucket_info": json.dumps({"buckets": buckets, "mean_img_ar_error": facts.aspect_error}),
+        "ss_enable_bucket": "True",
+        "ss_min_bucket_reso": str(min(sides)) if sides else "None",
+        "ss_max_bucket_reso": str(max(sides)) if sides else "None",
+        "ss_bucket_no_upscale": "False",
+        "ss_color_aug": "False",
+        "ss_flip_aug": "False",
+        "ss_random_crop": "False",
+        "ss_shuffle_caption": "False",
+        "ss_keep_tokens": "0",
+    }
+
+
+def _model_file_keys(model_file: ModelFile | None, final: bool) -> dict[str, str]:
+    """sd-scripts' base-model name and hashes (only when the MODEL's file is known; the whole
+    file's hash in a snapshot only once computed, in the final LoRA always)."""
+    if model_file is None:
+        return {}
+    keys = {"ss_sd_model_name": model_file.name, "ss_sd_model_hash": model_file.legacy_hash}
+    if (full := model_file.full_hash(wait=final)) is not None:
+        keys["ss_new_sd_model_hash"] = full
+    return keys
 
 
 def kohya_hashes(state: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> tuple[str, str]:

@@ -107,6 +107,11 @@ class ModelFamily:
         """Required. The `trainer_core.vram.Estimate` of a run, shown before training starts."""
         raise NotImplementedError
 
+    def file_notes(self, config) -> list[str]:
+        """What a run with `config` should know about its LoRA file in other tools (shown on
+        the node's progress line and logged); none by default."""
+        return []
+
 
 FAMILIES: dict[str, ModelFamily] = {}
 

@@ -103,7 +103,7 @@ def test_the_training_example_writes_a_flux2_lora_with_previews(server, trained)
     assert tensors and all(key.startswith("lora_unet_") for key in tensors)  # kohya names
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors
     assert any(float(t.abs().max()) > 0 for k, t in tensors.items() if k.endswith(".lora_up.weight"))
-    assert metadata["ss_base_model_version"] == "flux2"
+    assert metadata["ss_base_model_version"] == "flux_2_dev"
     assert metadata["modelspec.architecture"] == "Flux.2-dev/lora"
     assert metadata["kontext_trainer.layout"] == "index"
     assert metadata["ss_steps"] == str(train["steps"])
@@ -196,3 +196,24 @@ def test_timestep_zero_references_train_and_sample_or_are_refused_by_version(ser
         for layout in (TIMESTEP_ZERO, "index")
     }
     assert np.abs(images[TIMESTEP_ZERO] - images["index"]).max() > 0
+
+
+def test_all_linear_on_flux2_says_what_diffusers_drops(server, trained):
+    """Issue 32: diffusers' FLUX.2 kohya converter drops the three modulation LoRAs that
+    all_linear trains; the node says so (the shipped attention_mlp run does not need to)."""
+    workflow, _, messages = trained
+    assert not [e for e in progress_events(messages) if "diffusers' kohya converter" in e["message"]]
+    graph = copy.deepcopy(workflow)
+    train = graph[only_id(graph, "KontextTrainer_TrainLoRA")]["inputs"]
+    train.update(targets="all_linear", steps=1, lora_name="flux2_all_linear", save_every=0)
+    _, ran = server.run_prompt(graph, timeout=600)
+    succeeded(ran)
+    message = progress_events(ran)[0]["message"]
+    assert (
+        "all_linear on FLUX.2: ComfyUI applies the whole LoRA, but diffusers' kohya converter drops"
+        in message
+    )
+    tensors, metadata = load(server.base_dir / "models" / "loras" / "flux2_all_linear.safetensors")
+    assert any("single_stream_modulation" in key for key in tensors)  # written: ComfyUI applies them
+    assert metadata["ss_network_module"] == "networks.lora_flux_2"
+    assert metadata["modelspec.implementation"] == "https://github.com/black-forest-labs/flux2"

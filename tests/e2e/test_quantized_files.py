@@ -9,6 +9,7 @@ Run on a server that also replays 0.33's reused cast memory (kt_testing/cast_rep
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 
@@ -37,6 +38,21 @@ def served(tmp_path_factory, stock_assets):
         yield running
 
 
+def sha256_of(path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while block := handle.read(1 << 24):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def legacy_hash_of(path) -> str:
+    """sd-scripts' (and the old web UI's) model hash: 64 KiB at 1 MiB into the file."""
+    with open(path, "rb") as handle:
+        handle.seek(0x100000)
+        return hashlib.sha256(handle.read(0x10000)).hexdigest()[:8]
+
+
 @pytest.mark.parametrize("form", FORMS)
 def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, form):
     from kt_testing.quantized_files import forms_this_comfyui_loads
@@ -57,8 +73,12 @@ def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, f
     result = served.history(prompt_id)["outputs"]["5"]
     assert len(result["loss"]) == 2 and all(math.isfinite(x) for x in result["loss"])
     assert [p["step"] for p in progress_events(messages)[-1]["previews"]] == [2]
-    tensors, _ = load(served.base_dir / "models" / "loras" / f"kt_quantized_{form}.safetensors")
+    tensors, metadata = load(served.base_dir / "models" / "loras" / f"kt_quantized_{form}.safetensors")
     assert any("img_attn_qkv" in key for key in tensors)  # the quantized layers got the LoRA
+    # issue 32: sd-scripts' base-model keys, the file followed back from TrainLoRA's MODEL input
+    assert metadata["ss_sd_model_name"] == name and metadata["ss_fp8_base"] == "True"
+    assert metadata["ss_new_sd_model_hash"] == sha256_of(path)
+    assert metadata["ss_sd_model_hash"] == legacy_hash_of(path)
     assert "Using mixed precision operations" in served.log() or "scaled fp8" in served.log()
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 import pytest
 from gpu.support import model_output, unload_everything
 
+from kt_testing.graphs import cache_name
+
 TRAIN = "KontextTrainer_TrainLoRA"
 
 
@@ -63,9 +65,7 @@ def write_dataset(folder: Path, count: int, size: int, resolution: int, cache: P
 
 @pytest.fixture(scope="module")
 def dataset(gpu, tmp_path_factory):
-    return write_dataset(
-        tmp_path_factory.mktemp("data") / "set", 3, 64, 256, tmp_path_factory.mktemp("cache")
-    )
+    return write_dataset(tmp_path_factory.mktemp("data") / "set", 3, 64, 256, cache_name(tmp_path_factory))
 
 
 def test_previews_on_the_gpu_leave_the_losses_unchanged(gpu, mods, dataset, deterministic):
@@ -165,7 +165,7 @@ def large_dataset(gpu, tmp_path_factory):
     """16 pairs at 1024 px (4096 tokens a sample): a batch of 16 needs 16x the activations of
     one."""
     root = tmp_path_factory.mktemp("large")
-    return write_dataset(root / "set", 16, 1024, 1024, root / "cache")
+    return write_dataset(root / "set", 16, 1024, 1024, cache_name(tmp_path_factory))
 
 
 def test_a_huge_batch_runs_out_of_memory_with_advice(cuda_only, mods, large_dataset):

@@ -70,6 +70,12 @@ def preview_inputs(positive, vae, every_n_steps: int) -> dict:
     }
 
 
+def cache_name(tmp_path_factory) -> str:
+    """A cache folder of a test's own for LoadKontextDataset: a name, so the node makes it in
+    ComfyUI's output folder (the only place the node may write besides temp)."""
+    return f"kt_test_caches/{tmp_path_factory.mktemp('cache').name}"
+
+
 def dataset_inputs(vae, clip, folder: Path, cache_folder: str = "") -> dict:
     """LoadKontextDataset's inputs for the tiny models: the folder by absolute path, 256 px
     targets, 64 px references."""

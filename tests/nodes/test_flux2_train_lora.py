@@ -13,7 +13,7 @@ import torch
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
-from kt_testing.graphs import dataset_inputs, preview_inputs
+from kt_testing.graphs import cache_name, dataset_inputs, preview_inputs
 from kt_testing.probes import model_output
 from kt_testing.tiny_models import small_flux2_vae, small_flux_vae, tiny_clip, tiny_flux2_patcher
 
@@ -40,7 +40,7 @@ def folder(tmp_path_factory, comfy_runtime):
 
 @pytest.fixture(scope="module")
 def cache(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("cache"))
+    return cache_name(tmp_path_factory)
 
 
 def load_dataset(folder, cache, vae, clip):
@@ -101,7 +101,7 @@ def test_trains_flux2_with_previews_writes_its_lora_and_resumes_exactly(mods, da
 
     state, metadata = mods.lora_file.load(loras_dir() / name)
     assert state and all(key.startswith("lora_unet_") for key in state)
-    assert metadata["ss_base_model_version"] == "flux2"
+    assert metadata["ss_base_model_version"] == "flux_2_dev"
     assert metadata["modelspec.architecture"] == "Flux.2-dev/lora"
     assert metadata["kontext_trainer.base_model"] == "flux2_dev"
     # The output MODEL is the input with the saved file applied by the stock loader.
@@ -129,7 +129,7 @@ def test_a_dataset_of_the_other_family_is_refused_by_name(mods, folder, cache):
 def test_a_cache_filled_for_one_family_is_never_read_for_the_other(folder, tmp_path):
     """The same folder and text encoder, one cache: the FLUX.2 pass encodes every image again
     (its keys differ: another VAE and latent format), the FLUX.1 pass again hits only its own."""
-    cache = str(tmp_path / "shared_cache")
+    cache = f"kt_test_caches/{tmp_path.name}_shared"
     text = lambda: tiny_clip(seed=2)  # noqa: E731  (the same text encoder for both)
     first = load_dataset(folder, cache, lambda: small_flux_vae(seed=1), text)[0]
     second = load_dataset(folder, cache, lambda: small_flux2_vae(seed=1), text)[0]

@@ -5,6 +5,7 @@ stock-loadable demo models, and the config becomes an API workflow again."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 import subprocess
@@ -97,6 +98,23 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
         metadata = handle.metadata()
     assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in keys  # the 3072-wide model's
     assert metadata["ss_output_name"] == "kontext_demo_lora"
+    # issue 32: the keys sd-scripts writes for a FLUX.1 LoRA (84-97 ss_*), with this run's values
+    assert len([key for key in metadata if key.startswith("ss_")]) >= 84
+    model = (base / "models" / "diffusion_models" / "kontext-trainer-demo-flux.safetensors").resolve()
+    assert metadata["ss_sd_model_name"] == model.name
+    assert metadata["ss_new_sd_model_hash"] == hashlib.sha256(model.read_bytes()).hexdigest()
+    images = int(metadata["ss_num_train_images"])
+    assert json.loads(metadata["ss_dataset_dirs"]) == {"kontext_demo": {"n_repeats": 1, "img_count": images}}
+    buckets = json.loads(metadata["ss_bucket_info"])["buckets"]
+    assert sum(bucket["count"] for bucket in buckets.values()) == images
+    captions = [p.read_text(encoding="utf-8") for p in (base / "input" / "kontext_demo").glob("*.txt")]
+    tags = json.loads(metadata["ss_tag_frequency"])["kontext_demo"]
+    first = captions[0].split(",")[0].strip().lower()
+    having = sum(first in [t.strip().lower() for t in c.split(",")] for c in captions)
+    held = int(metadata["ss_num_validation_images"])  # held-out captions are not counted
+    assert having - held <= tags[first] <= having and len(captions) == images + held
+    assert metadata["ss_epoch"] == metadata["ss_num_epochs"] != "0"  # the final LoRA: the epochs run
+    assert metadata["ss_mixed_precision"] == "no" and metadata["ss_cache_latents"] == "True"
 
 
 def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):

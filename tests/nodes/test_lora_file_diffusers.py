@@ -33,7 +33,7 @@ from demo_assets import DEMO_FLUX_CONFIG
 from kt_testing.comfy_runtime import from_the_pack
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
-from kt_testing.graphs import dataset_inputs
+from kt_testing.graphs import cache_name, dataset_inputs
 from kt_testing.tiny_models import build_flux_model, flux_patcher, small_flux_vae, tiny_clip
 from trainer_core.config import TrainConfig
 from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
@@ -300,7 +300,7 @@ def dreamomni2_run(comfy_runtime, tmp_path_factory):
         tmp_path_factory.mktemp("data") / "set", ["a", "b"], references=2, size=(128, 128)
     )
     vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2))
-    inputs = dataset_inputs(vae, clip, root, str(tmp_path_factory.mktemp("cache")))
+    inputs = dataset_inputs(vae, clip, root, cache_name(tmp_path_factory))
     # 128 px targets (8x8 tokens), 16 px references (1 token each): the least the loader takes
     inputs.update(resolution=128, reference_resolution=16)
     dataset = run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]

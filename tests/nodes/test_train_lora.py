@@ -17,7 +17,7 @@ import torch
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, PromptRejected, run_node
-from kt_testing.graphs import dataset_inputs, preview_inputs
+from kt_testing.graphs import cache_name, dataset_inputs, preview_inputs
 from kt_testing.paths import REPO_ROOT
 from kt_testing.probes import model_output
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
@@ -43,7 +43,7 @@ def dataset_files(tmp_path_factory):
     root = write_one_folder(
         tmp_path_factory.mktemp("data") / "set", ["a", "b", "c"], references=1, size=(64, 64)
     )
-    return root, str(tmp_path_factory.mktemp("cache"))
+    return root, cache_name(tmp_path_factory)
 
 
 def load_dataset(dataset_files, **options):

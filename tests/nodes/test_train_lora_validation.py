@@ -12,7 +12,7 @@ import pytest
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
-from kt_testing.graphs import dataset_inputs
+from kt_testing.graphs import cache_name, dataset_inputs
 from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
 TRAIN = "KontextTrainer_TrainLoRA"
@@ -30,7 +30,7 @@ def held_out_dataset(mods, tmp_path_factory):
         tmp_path_factory.mktemp("data") / "set", ["a", "b", "c", "d"], references=1, size=(64, 64)
     )
     vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2))
-    inputs = {**dataset_inputs(vae, clip, root, str(tmp_path_factory.mktemp("cache"))), "hold_out": 1}
+    inputs = {**dataset_inputs(vae, clip, root, cache_name(tmp_path_factory)), "hold_out": 1}
     return run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
 
 
@@ -84,7 +84,8 @@ def test_no_held_out_samples_no_validation(mods, pack_import, tmp_path):
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
     vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2))
     dataset = run_node(
-        "KontextTrainer_LoadKontextDataset", dataset_inputs(vae, clip, root, str(tmp_path / "c"))
+        "KontextTrainer_LoadKontextDataset",
+        dataset_inputs(vae, clip, root, f"kt_test_caches/{tmp_path.name}"),
     )
     result = run_train(mods, dataset.outputs[0], "kt_val_none", steps=1, validate_every=1)
     assert result.outputs[2]["validation_step"] == [] and len(result.outputs[2]["loss"]) == 1

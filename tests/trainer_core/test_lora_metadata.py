@@ -231,3 +231,52 @@ def test_every_value_is_plain_text_also_for_choices():
     metadata = training_metadata(config, FACTS, 1)
     assert {key: type(value) for key, value in metadata.items() if type(value) is not str} == {}
     assert metadata["ss_lr_scheduler"] == "cosine" and metadata["ss_timestep_sampling"] == "logit_normal"
+
+
+def test_the_keys_sd_scripts_writes_for_one_folder_with_this_runs_values():
+    """Issue 32: 43 ss_* keys where sd-scripts writes 84-97 for a Flux LoRA; ss_epoch "0" at
+    the end of a run inside its first epoch; ss_total_batch_size without the processes."""
+    from trainer_core.lora_metadata import tag_frequency
+
+    facts = dataclasses.replace(
+        FACTS,
+        dataset_dir="my_set",
+        tag_frequency=tag_frequency(["Red cube, on a table", "red cube,  blue sky ", ""]),
+        buckets=(((512, 512), 7), ((640, 384), 3)),
+        aspect_error=0.01,
+        validation_images=2,
+        validation_seed=5,
+        processes=2,
+        mixed_precision="bf16",
+    )
+    final = training_metadata(config(), facts, steps=7)
+    assert len([k for k in final if k.startswith("ss_")]) >= 84
+    assert json.loads(final["ss_tag_frequency"]) == {
+        "my_set": {"red cube": 2, "on a table": 1, "blue sky": 1}
+    }
+    assert json.loads(final["ss_dataset_dirs"]) == {"my_set": {"n_repeats": 1, "img_count": 10}}
+    assert json.loads(final["ss_bucket_info"]) == {
+        "buckets": {"0": {"resolution": [512, 512], "count": 7}, "1": {"resolution": [640, 384], "count": 3}},
+        "mean_img_ar_error": 0.01,
+    }
+    assert (final["ss_min_bucket_reso"], final["ss_max_bucket_reso"]) == ("384", "640")
+    assert final["ss_total_batch_size"] == "8"  # 2 per batch x 2 processes x 2 accumulated
+    assert final["ss_epoch"] == final["ss_num_epochs"] == "3"  # the final save: the epochs run
+    assert training_metadata(config(), facts, steps=2)["ss_epoch"] == "0"  # a snapshot: passes done
+    assert final["ss_mixed_precision"] == "bf16" and final["ss_cache_latents"] == "True"
+    assert final["ss_num_validation_images"] == "2" and final["ss_validation_split"] == str(2 / 12)
+    assert "ss_sd_model_name" not in final  # the MODEL's file is not known here
+
+
+def test_the_base_models_file_is_named_and_hashed_as_sd_scripts_does(tmp_path):
+    from trainer_core.lora_metadata import ModelFile
+
+    path = tmp_path / "flux.safetensors"
+    data = bytes(range(256)) * 8192  # 2 MiB
+    path.write_bytes(data)
+    model = ModelFile(path)
+    assert model.full_hash(wait=True) == hashlib.sha256(data).hexdigest()
+    assert model.legacy_hash == hashlib.sha256(data[0x100000:0x110000]).hexdigest()[:8]
+    metadata = training_metadata(config(), dataclasses.replace(FACTS, model_file=model), steps=7)
+    assert metadata["ss_sd_model_name"] == "flux.safetensors"
+    assert metadata["ss_new_sd_model_hash"] == hashlib.sha256(data).hexdigest()

@@ -219,6 +219,15 @@ class FluxFamily(ModelFamily):
         length = batch.tokens.shape[1]
         return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
+    def file_notes(self, config) -> list[str]:
+        if self.image_model == "flux2" and config.targets == "all_linear":
+            return [
+                "all_linear on FLUX.2: ComfyUI applies the whole LoRA, but diffusers' kohya converter "
+                "drops its three model-wide modulation layers (double_stream_modulation_img / _txt, "
+                "single_stream_modulation); attention_mlp files load whole in both"
+            ]
+        return []
+
     def vram_estimate(self, diffusion_model, dataset, config):
         itemsize = stored_weight_bytes(diffusion_model.double_blocks[0].img_attn.qkv)  # a quantized file: fp8
         loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
@@ -264,7 +273,15 @@ FLUX2 = register(
         # index_timestep_zero (ComfyUI 0.33+): index ids, references modulated at timestep 0.
         layouts=("index", "offset", "uxo", "index_timestep_zero"),
         # musubi-tuner's model-spec name for FLUX.2 [dev]
-        names=ModelNames("flux2", "Flux.2-dev/lora", *SD_SCRIPTS_FLUX),
+        # musubi-tuner's names for FLUX.2 [dev] (flux_2_train_network.py, networks.lora_flux_2);
+        # sd-scripts has none, and ss_model_type is ours (musubi writes none)
+        names=ModelNames(
+            "flux_2_dev",
+            "Flux.2-dev/lora",
+            "flux2",
+            "networks.lora_flux_2",
+            "https://github.com/black-forest-labs/flux2",
+        ),
         text_encoder="Mistral-3 (CLIPLoader, type flux2)",
         base_models=("flux2_dev", "flux2_dev"),  # natively multi-reference: one model either way
     )

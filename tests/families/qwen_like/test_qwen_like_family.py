@@ -21,7 +21,7 @@ from safetensors import safe_open
 from families.qwen_like import CONFIG, IMAGE_MODEL, QwenLikeBlock, QwenLikeModel, build_patcher, family_for
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
-from kt_testing.graphs import dataset_inputs
+from kt_testing.graphs import cache_name, dataset_inputs
 from kt_testing.tiny_models import small_flux_vae, tiny_clip
 
 
@@ -30,7 +30,7 @@ def dataset(tmp_path_factory, comfy_runtime):
     folder = write_one_folder(
         tmp_path_factory.mktemp("data") / "set", ["a", "b"], references=1, size=(64, 64)
     )
-    cache = str(tmp_path_factory.mktemp("cache"))
+    cache = cache_name(tmp_path_factory)
     # the tiny VAE's 16 latent channels and the tiny CLIP's 48-wide text fit the dummy model
     vae, clip = InGraph(lambda: small_flux_vae(seed=1)), InGraph(lambda: tiny_clip(seed=2, pooled=False))
     return run_node("KontextTrainer_LoadKontextDataset", dataset_inputs(vae, clip, folder, cache)).outputs[0]
