@@ -105,3 +105,22 @@ def test_a_mode_that_cannot_run_on_a_quantized_file_is_one_line_before_any_step(
     error = messages[-1]["data"]["exception_message"].strip()
     assert words in error and "\n" not in error, error
     assert not progress_events(messages)  # refused before any step
+
+
+def test_a_base_loaded_as_fp8_is_recorded_as_sd_scripts_records_it(served):
+    """Issue 32: `ss_fp8_base` was "False" for a MODEL that UNETLoader loaded with weight_dtype
+    fp8_e4m3fn (sd-scripts writes True when the base ran in fp8)."""
+    workflow = json.loads(
+        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
+    )
+    workflow["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+    workflow["5"]["inputs"].update(steps=1, save_every=0, lora_name="kt_fp8_weight_dtype")
+    workflow["10"]["inputs"]["every_n_steps"] = 100  # no preview round beyond the final one
+    _, messages = served.run_prompt(workflow, timeout=600)
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    _, metadata = load(served.base_dir / "models" / "loras" / "kt_fp8_weight_dtype.safetensors")
+    assert metadata["ss_fp8_base"] == metadata["ss_fp8_base_unet"] == "True"
+    assert json.loads(metadata["kontext_trainer.base_weights"])["plain"].get("float8_e4m3fn", 0) > 0 or (
+        json.loads(metadata["kontext_trainer.base_weights"])["quantized"].get("float8_e4m3fn", 0) > 0
+    )
+    assert metadata["ss_sd_model_name"] == workflow["1"]["inputs"]["unet_name"]
