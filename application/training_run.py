@@ -279,13 +279,10 @@ class TrainingRun:
         )
 
     def _join_processes(self, session: LoraSession) -> None:
-        """Data parallel: one start, whatever each device drew; each process its own LoRA-dropout
-        draws (rank 0 keeps a single run's)."""
-        collective = self.collective
-        if collective is not None:
-            collective.broadcast_(session.lora.parameters())
-            if collective.rank:
-                torch.manual_seed(self.config.seed + 1_000_003 * collective.rank)
+        """Data parallel: one start, whatever each device drew (LoRA dropout's masks belong to
+        the global sample: `trainer_core.lora_dropout`)."""
+        if self.collective is not None:
+            self.collective.broadcast_(session.lora.parameters())
 
     def _resume_state(self) -> ResumeState | None:
         resume = self.resume

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from .config import TrainConfig
+from .lora_dropout import micro_batch_key, seed_rows
 from .objective import (
     NoiseScaling,
     apply_caption_dropout,
@@ -85,6 +86,8 @@ def flow_matching_loss(
     for the whole global batch (so each sample gets the draws it gets in one process) and the
     result is the rows' share of the global mean: their sum / the global batch size (a zero
     tensor without gradient when no rows fall to this process)."""
+    # 0) LoRA dropout's masks belong to (micro-batch, global row): the key before any draw
+    dropout_key = micro_batch_key(generator) if config.dropout > 0 else None
     # 1) pack targets and references (after reference dropout) into one token batch; references
     # stay clean
     samples = drop_references(samples, config.reference_dropout, generator)
@@ -108,21 +111,18 @@ def flow_matching_loss(
         empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
     weights = loss_weights(sigma, config.loss_weighting)
+    if dropout_key is not None:
+        seed_rows(dropout_key, rows.start if rows is not None else 0)
     if rows is None:
         return _loss_at(
             predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma, noise_scaling
         )
-    # 5) data parallel: this process's rows, packed on their own (a sample's tokens sit at the
-    # same positions in any batch; only the padding after them differs)
+    # 5) data parallel: this process's rows of the global batch, padded as it is and taking
+    # its path through the model (every layer sees a row at the shape one process gives it)
     chosen = list(range(batch))[rows]
     if not chosen:
         return torch.zeros((), dtype=torch.float32)
-    mine = build_token_batch(
-        [samples[i].target for i in chosen],
-        [samples[i].references for i in chosen],
-        config.layout,
-        grid,
-    )
+    mine = clean.rows(chosen)
     index, length = torch.tensor(chosen), mine.tokens.shape[1]
     loss = _loss_at(
         predict,

@@ -129,6 +129,8 @@ def attach_lora(
     from peft import inject_adapter_in_model
     from peft.tuners.lora import LoraLayer
 
+    from .lora_dropout import per_sample_dropout_
+
     if any(isinstance(m, LoraLayer) for m in model.modules()):
         raise RuntimeError("this model already has LoRA layers attached; detach them first")
     if initial is not None:
@@ -178,6 +180,8 @@ def attach_lora(
             param.requires_grad_(True)
         if initial is not None:
             attached.load_modules(initial)
+        # masks per global sample, not per batch or process (`lora_dropout`)
+        per_sample_dropout_([layer for _, layer in attached.layers()], dropout)
     except BaseException:
         attached.detach()
         raise

@@ -50,11 +50,29 @@ class TokenBatch:
     target_sizes: list[tuple[int, int]]  # per-sample target latent (H, W)
     grid: TokenGrid = DEFAULT_GRID
     reference_sizes: list[list[tuple[int, int]]] = field(default_factory=list)  # per sample, (h, w) each
+    uniform_as: bool | None = None  # rows of a larger batch: that batch's answer (`rows`)
 
     def is_uniform(self) -> bool:
         """Every sample has the same target size and the same reference sizes (no padding)."""
+        if self.uniform_as is not None:
+            return self.uniform_as
         return len(set(self.target_sizes)) == 1 and all(
             sizes == self.reference_sizes[0] for sizes in self.reference_sizes
+        )
+
+    def rows(self, indices: list[int]) -> TokenBatch:
+        """Samples `indices` as they are in this batch: its padding, and its way through the
+        model (a padded batch stays one even where these rows alone share their sizes)."""
+        index = torch.tensor(indices, device=self.tokens.device)
+        return TokenBatch(
+            self.tokens[index],
+            self.ids[index.to(self.ids.device)],
+            self.valid[index.to(self.valid.device)],
+            self.target[index.to(self.target.device)],
+            [self.target_sizes[i] for i in indices],
+            self.grid,
+            [self.reference_sizes[i] for i in indices] if self.reference_sizes else [],
+            self.is_uniform(),
         )
 
     def sample(self, index: int) -> TokenBatch:

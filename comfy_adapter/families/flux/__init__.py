@@ -211,11 +211,19 @@ class FluxFamily(ModelFamily):
         """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
         timestep batch for them, which a batch of several meets with one guidance value per
         sample and fails, and it takes one reference range for the whole batch, which padded
-        samples do not share. Each sample gets exactly ComfyUI's own call."""
-        rows = [
-            self.predict(session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], pooled[i : i + 1])
-            for i in range(batch.tokens.shape[0])
-        ]
+        samples do not share. Each sample gets exactly ComfyUI's own call (and, with LoRA
+        dropout, its row's masks: `trainer_core.lora_dropout`)."""
+        first, rows = torch.initial_seed(), []
+        for i in range(batch.tokens.shape[0]):
+            if session.config.dropout > 0:
+                torch.manual_seed(first + i)  # this call's one row is row first + i
+            rows.append(
+                self.predict(
+                    session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], pooled[i : i + 1]
+                )
+            )
+        if session.config.dropout > 0:
+            torch.manual_seed(first)
         length = batch.tokens.shape[1]
         return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
