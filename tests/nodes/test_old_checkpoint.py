@@ -71,6 +71,7 @@ def test_a_checkpoint_of_70adb75_resumes_to_its_uninterrupted_end(tmp_path):
     # every setting read back as the old run wrote it (and where the resume came from)
     assert Path(resumed["config"].pop("resumed_from")) == old
     assert resumed["config"].pop("held_out")  # recorded since 70adb75 (which samples are held out)
+    assert resumed["config"].pop("base")["plain"]  # recorded since too (how the base is held)
     assert resumed["config"] == expected["config"]
     got, want = (
         load_file(str(final / "lora.safetensors")),
