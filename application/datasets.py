@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..comfy_adapter.comfy_encoders import comfy_encoders
 from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
-from ..trainer_core.dataset_files import DatasetProblems, scan_dataset
+from ..trainer_core.dataset_files import scan_dataset, within
 from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
 from ..trainer_core.encode_cache import EncodeCache
 
@@ -47,17 +47,6 @@ def resolve_dataset_folder(folder: str, path: str, input_dir: Path) -> Path:
     return chosen
 
 
-def within(directory: Path, target: Path) -> bool:
-    """True if `target` resolves inside `directory` (both with their links resolved): the rule
-    of ComfyUI 0.33's `folder_paths.is_within_directory`, applied the same on 0.3.75, which
-    lacks it."""
-    try:
-        directory, target = os.path.realpath(directory), os.path.realpath(target)
-        return os.path.commonpath((directory, target)) == directory
-    except ValueError:  # a NUL byte, or another drive on Windows: not safely inside
-        return False
-
-
 def resolve_cache_folder(
     cache_folder: str, output_dir: Path, confined_to: tuple[Path, ...] | None = None
 ) -> Path:
@@ -78,23 +67,6 @@ def resolve_cache_folder(
             "line may name any folder)"
         )
     return chosen
-
-
-def check_files_within(scan, input_dir: Path) -> None:
-    """A dataset picked in ComfyUI's input directory reads nothing outside it: a file there
-    that is a link leading out (a caption linked to /etc/hostname) is refused by name, as a
-    linked folder is (`resolve_dataset_folder`)."""
-    problems = []
-    for sample in scan.samples:
-        for file in [sample.target, *sample.references, *([sample.caption] if sample.caption else [])]:
-            if not within(input_dir, file):
-                problems.append(
-                    f"{file}: a link to {os.path.realpath(file)}, outside ComfyUI's input directory; "
-                    "links out of it are not followed: copy the file into the dataset, or give the "
-                    "dataset's location in path"
-                )
-    if problems:
-        raise DatasetProblems(scan.root, problems)
 
 
 def prepare_cache_folder(cache_root: Path) -> None:
@@ -147,9 +119,10 @@ def load_dataset(
     root = resolve_dataset_folder(options.folder, options.path, input_dir)
     writable = (output_dir, Path(folder_paths.get_temp_directory())) if confined else None
     cache_root = resolve_cache_folder(options.cache_folder, output_dir, writable)
-    scan = scan_dataset(root, min_size=options.min_size)  # raises with every problem; nothing written
-    if not options.path.strip():  # picked in the input directory: nothing read from outside it
-        check_files_within(scan, input_dir)
+    # raises with every problem, nothing written; a dataset picked in the input directory reads
+    # nothing outside it: a file there linking out is refused by name, as a linked folder is
+    inside = input_dir if not options.path.strip() else None
+    scan = scan_dataset(root, min_size=options.min_size, confined_to=inside)
     prepare_cache_folder(cache_root)
     settings = DatasetSettings(
         options.resolution,

@@ -66,6 +66,10 @@ def write_problem(error: BaseException) -> str:
 def failed_save(
     what: str, where: Path, step: int, error: BaseException, newest: str | None, resume: str = ""
 ) -> SaveFailed:
+    """The one line for a write that failed; `error` itself is raised again when it is no
+    write failure (a SafetensorError about the tensors is a bug to see as it is)."""
+    if isinstance(error, SafetensorError) and "IoError" not in str(error):
+        raise error
     resume = resume or (
         f"nothing saved before is lost: the newest complete checkpoint is {newest}; make room and "
         "resume from it (resume_from)"
@@ -164,7 +168,7 @@ class CheckpointWriter:
         return str(newest)  # outside this base directory (the command line's absolute path)
 
     def _save_checkpoint(self, step, modules, result, rng, metadata) -> Path:
-        if self.folder is None:  # a new folder per run: a resume never touches the run it came from
+        if self.folder is None:  # a new folder per run (a resume prunes its origin's: `lineage`)
             self.folder = new_run_folder(self.paths.checkpoints)
         return save_checkpoint(
             self.folder,
@@ -180,7 +184,8 @@ class CheckpointWriter:
 
     def drop_replaced_snapshots(self) -> None:
         """This run's LoRA replaced the name's earlier one: the snapshots set aside go too."""
-        for folder in drop_replaced_snapshots(self.paths):
+        # what was set aside before this run started (by the run it resumes) and by itself
+        for folder in drop_replaced_snapshots(self.paths, before=self.facts.started_at, own=self.aside):
             LOGGER.info("TrainLoRA %s: removed the replaced run's snapshots %s", self.paths.stem, folder)
 
     def save_snapshot(self, session: LoraSession, step: int, modules: dict, metadata: dict) -> None:
@@ -189,7 +194,7 @@ class CheckpointWriter:
         mix (set aside: `drop_replaced_snapshots` once this run's LoRA is saved); a resumed run
         continues its run's snapshots. Only this run's (and its origin's) are pruned."""
         if not self.snapshots and not self.resuming:  # kept aside until this run's LoRA is saved
-            self.aside = set_aside_snapshots(self.paths)
+            self.aside = set_aside_snapshots(self.paths, before=self.facts.started_at)
         self.paths.snapshots.mkdir(parents=True, exist_ok=True)
         path = session.save(self.paths.snapshot(step), metadata, modules)
         self.snapshots.append(path)

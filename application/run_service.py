@@ -16,6 +16,7 @@ and how a stop is asked for (Cancel, Ctrl-C).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,8 +33,10 @@ from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
 from .run_policy import check_existing, checkpoints_root, loras_dir, temp_dir
-from .run_reports import SaveFailed, write_problem
+from .run_reports import write_problem
 from .training_run import Run, TrainingOutcome, run_training
+
+LOGGER = logging.getLogger("kontext_trainer")
 
 
 @dataclass(frozen=True)
@@ -108,12 +111,14 @@ class PreparedRun:
         if self.run.rank == 0:
             try:
                 save_png_atomic(chart, paths.loss_chart)
-            except OSError as error:
-                raise SaveFailed(
-                    f"could not write the loss chart to {paths.loss_chart}: {write_problem(error)}; the "
-                    f"LoRA itself is saved, {paths.lora}",
-                    len(outcome.losses),
-                ) from None
+            except OSError as error:  # the LoRA is saved: the run succeeded, without its chart file
+                LOGGER.warning(
+                    "TrainLoRA %s: could not write the loss chart to %s: %s; the LoRA itself is saved, %s",
+                    paths.stem,
+                    paths.loss_chart,
+                    write_problem(error),
+                    paths.lora,
+                )
         return chart
 
 

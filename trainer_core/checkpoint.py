@@ -15,6 +15,7 @@ Checkpoints are never written where ComfyUI looks for LoRAs: the node puts them 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -221,7 +222,8 @@ def list_checkpoints(folder: Path) -> list[Path]:
 
 def new_run_folder(root: Path) -> Path:
     """A fresh folder for one training run's checkpoints, `root/<date-time>` (never reused, so
-    runs under the same LoRA name never prune each other's checkpoints)."""
+    unrelated runs under the same LoRA name never prune each other's checkpoints; a resumed
+    run prunes those of the run it continues: `prune`)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     candidate, n = Path(root) / stamp, 1
     while candidate.exists():
@@ -260,7 +262,7 @@ def lineage(checkpoint: Path | None, within: Path) -> list[Path]:
         found[:0] = [c for c in list_checkpoints(run) if step_of(c) <= step]
         try:
             earlier = read_state(checkpoint)["config"].get("resumed_from") if checkpoint.is_dir() else None
-        except ValueError:  # damaged: the chain stops here
+        except (ValueError, OSError):  # damaged or gone: the chain stops here
             earlier = None
         checkpoint = Path(earlier) if earlier else None
     return found
@@ -275,8 +277,9 @@ def prune(folder: Path, keep_last: int, continues: Sequence[Path] = ()) -> list[
         return []
     doomed = [*(c for c in continues if c.is_dir()), *list_checkpoints(folder)][:-keep_last]
     for path in doomed:
-        shutil.rmtree(path)
+        shutil.rmtree(path, ignore_errors=True)  # another run may have pruned it already
         run = path.parent
         if run != Path(folder) and run.is_dir() and not any(run.iterdir()):
-            run.rmdir()
+            with contextlib.suppress(OSError):
+                run.rmdir()
     return doomed

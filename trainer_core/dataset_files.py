@@ -155,6 +155,12 @@ def _scan_parallel(root: Path, problems: list[str]) -> list[SampleFiles]:
         problems.append(
             f"{root}: reference folders {have} skip a number; rename them control/, control_1/, ..."
         )
+    if len(control_dirs) > MAX_REFERENCES:  # each reference adds its tokens to every step
+        problems.append(
+            f"{root}: {len(control_dirs)} reference folders; at most {MAX_REFERENCES} are supported "
+            "(each one adds its image tokens to every step); use fewer references"
+        )
+        control_dirs = {}
     per_folder = {slot: _images_by_stem(folder, problems) for slot, folder in control_dirs.items()}
     for images in per_folder.values():
         for stem, path in images.items():
@@ -194,7 +200,11 @@ def read_caption(path: Path | None) -> str:
         size = path.stat().st_size
         if size > 4 * MAX_CAPTION_CHARS:  # over the limit in any UTF-8 text: not read whole
             raise FileProblem(_long_caption(path, f"{size:,} bytes"))
-        text = path.read_text(encoding="utf-8-sig").strip()
+        with path.open("rb") as handle:  # a size the file system does not know: read no more
+            raw = handle.read(4 * MAX_CAPTION_CHARS + 4)
+        if len(raw) > 4 * MAX_CAPTION_CHARS:
+            raise FileProblem(_long_caption(path, f"over {4 * MAX_CAPTION_CHARS:,} bytes"))
+        text = raw.decode("utf-8-sig").strip()
         if len(text) > MAX_CAPTION_CHARS:
             raise FileProblem(_long_caption(path, f"{len(text):,} characters"))
         return text
@@ -234,10 +244,23 @@ def _check_image(path: Path, min_size: int, decode: bool, problems: list[str], n
         problems.append(str(problem))
 
 
-def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetScan:
+def within(directory: Path, target: Path) -> bool:
+    """True if `target` resolves inside `directory` (both with their links resolved): the rule
+    of ComfyUI 0.33's `folder_paths.is_within_directory`, the same on 0.3.75, which lacks it."""
+    try:
+        directory, target = os.path.realpath(directory), os.path.realpath(target)
+        return os.path.commonpath((directory, target)) == directory
+    except ValueError:  # a NUL byte, or another drive on Windows: not safely inside
+        return False
+
+
+def scan_dataset(
+    root: Path, min_size: int = 0, decode: bool = True, confined_to: Path | None = None
+) -> DatasetScan:
     """Find the samples under `root` and validate every file; raise DatasetProblems listing
     all problems at once. With `decode`, each image is fully decoded (catches truncated
-    files); otherwise only headers are read."""
+    files); otherwise only headers are read. `confined_to` (a dataset picked in ComfyUI's
+    input directory): a file that is a link leading out of it is a problem, and is not read."""
     root = Path(root)
     if not root.is_dir():
         raise DatasetProblems(root, [f"{root} is not a folder; choose a folder of images"])
@@ -254,6 +277,10 @@ def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetS
         where = root / TARGET_FOLDER if parallel else root
         problems.append(f"{where}: no target images (.png, .jpg, .webp) found")
     notices: list[str] = []
+    if confined_to is not None:
+        outside = _outside(samples, confined_to)
+        problems.extend(outside.values())
+        samples = [s for s in samples if not any(f in outside for f in _files(s))]
     for sample in samples:
         for path in [sample.target, *sample.references]:
             _check_image(path, min_size, decode, problems, notices)
@@ -272,6 +299,24 @@ def scan_dataset(root: Path, min_size: int = 0, decode: bool = True) -> DatasetS
     if problems:
         raise DatasetProblems(root, problems)
     return DatasetScan(root, "parallel_folders" if parallel else "one_folder", samples, notices)
+
+
+def _files(sample: SampleFiles) -> list[Path]:
+    return [sample.target, *sample.references, *([sample.caption] if sample.caption else [])]
+
+
+def _outside(samples: list[SampleFiles], directory: Path) -> dict[Path, str]:
+    """The samples' files that are links leading out of `directory`, each with its problem."""
+    return {
+        file: (
+            f"{file}: a link to {os.path.realpath(file)}, outside ComfyUI's input directory; links "
+            "out of it are not followed: copy the file into the dataset, or give the dataset's "
+            "location in path"
+        )
+        for sample in samples
+        for file in _files(sample)
+        if not within(directory, file)
+    }
 
 
 def folder_fingerprint(root: Path) -> str:

@@ -60,12 +60,13 @@ class SampleDropout(torch.nn.Module):
         if not self.training or self.p == 0.0:
             return x
         first = torch.initial_seed()
-        keep = torch.empty_like(x)
+        keep = torch.empty(x.shape, dtype=torch.bool, device=x.device)  # what backward keeps: 1 byte
         for row in range(x.shape[0]):
             generator = torch.Generator(device=x.device)
             generator.manual_seed(_mix(_mix(first + row) ^ self.layer))
-            keep[row].bernoulli_(1.0 - self.p, generator=generator)
-        return x * keep.mul_(1.0 / (1.0 - self.p))
+            draw = torch.empty(x.shape[1:], dtype=torch.float32, device=x.device)
+            keep[row] = draw.bernoulli_(1.0 - self.p, generator=generator).bool()
+        return (x * (1.0 / (1.0 - self.p))).masked_fill(~keep, 0)
 
     def extra_repr(self) -> str:
         return f"p={self.p}, layer={self.layer}"

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from safetensors.torch import save as serialise
@@ -87,13 +88,25 @@ class ModelFile:
     digits) and the SHA-256 of the whole file (`ss_new_sd_model_hash`), computed in a thread
     of its own so a run of a 20 GB model does not wait for it (`full_hash`)."""
 
-    def __init__(self, path: Path):
-        self.name = Path(path).name
+    WAIT_SECONDS = 120  # the final save waits this long for the whole file's hash at most
+
+    _known: ClassVar[dict[tuple, ModelFile]] = {}  # one hash per file version, for later runs too
+
+    def __new__(cls, path: Path):
+        found = Path(path).stat()
+        key = (str(Path(path).resolve()), found.st_size, found.st_mtime_ns)
+        if key not in cls._known:
+            cls._known[key] = super().__new__(cls)
+            cls._known[key]._start(Path(path))
+        return cls._known[key]
+
+    def _start(self, path: Path) -> None:
+        self.name = path.name
         with open(path, "rb") as handle:
             handle.seek(_LEGACY_OFFSET)
             self.legacy_hash = hashlib.sha256(handle.read(_LEGACY_LENGTH)).hexdigest()[:8]
         self._full: str | None = None
-        self._thread = threading.Thread(target=self._hash, args=(Path(path),), daemon=True)
+        self._thread = threading.Thread(target=self._hash, args=(path,), daemon=True)
         self._thread.start()
 
     def _hash(self, path: Path) -> None:
@@ -107,9 +120,10 @@ class ModelFile:
         self._full = digest.hexdigest()
 
     def full_hash(self, wait: bool = False) -> str | None:
-        """The whole file's SHA-256; None while it is computed (`wait`: until it is)."""
+        """The whole file's SHA-256; None while it is computed (`wait`: for up to WAIT_SECONDS;
+        a slower disk leaves the key out rather than holding the run's end)."""
         if wait:
-            self._thread.join()
+            self._thread.join(self.WAIT_SECONDS)
         return self._full
 
 

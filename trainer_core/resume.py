@@ -142,8 +142,11 @@ def continuation_notes(saved: dict, step: int, config: TrainConfig, base: dict |
 
 def describe_base(base: dict) -> str:
     """A `base` record (how the base weights are held) as one phrase."""
-    formats = {**base.get("quantized", {}), **base.get("plain", {})}
-    held = ", ".join(f"{name} x{count}" for name, count in sorted(formats.items())) or "no Linear layers"
+    formats = [
+        *(f"quantized {name} x{count}" for name, count in sorted(base.get("quantized", {}).items())),
+        *(f"{name} x{count}" for name, count in sorted(base.get("plain", {}).items())),
+    ]
+    held = ", ".join(formats) or "no Linear layers"
     return f"[{held}{'; dynamic VRAM' if base.get('dynamic_vram') else ''}]"
 
 

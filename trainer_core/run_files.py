@@ -72,13 +72,18 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
 REPLACED = "replaced_"  # <name>_steps/replaced_<date-time>/: an earlier run's snapshots, set aside
 
 
-def set_aside_snapshots(paths: LoraPaths) -> Path | None:
+def set_aside_snapshots(paths: LoraPaths, before: float | None = None) -> Path | None:
     """Move the snapshots an earlier run of the name left in `<name>_steps/` into a folder of
     their own there, `replaced_<date-time>/` (a new run replacing that run starts writing
     its own): they stay until the new run has saved the LoRA that replaces them
-    (`drop_replaced_snapshots`), so a failed or cancelled run loses none. None: nothing to
-    set aside."""
-    earlier = snapshot_steps(paths)
+    (`drop_replaced_snapshots`), so a failed or cancelled run loses none. `before`: only
+    snapshots written before that time (a run of the name training meanwhile keeps its own).
+    None: nothing to set aside."""
+    earlier = {
+        step: path
+        for step, path in snapshot_steps(paths).items()
+        if before is None or path.stat().st_mtime < before
+    }
     if not earlier:
         return None
     stamp, n = time.strftime("%Y%m%d-%H%M%S"), 1
@@ -98,9 +103,17 @@ def replaced_snapshots(paths: LoraPaths) -> list[Path]:
     return sorted(p for p in paths.snapshots.iterdir() if p.is_dir() and p.name.startswith(REPLACED))
 
 
-def drop_replaced_snapshots(paths: LoraPaths) -> list[Path]:
-    """Delete the snapshots set aside for this name: a run of it has saved its LoRA."""
-    folders = replaced_snapshots(paths)
+def drop_replaced_snapshots(
+    paths: LoraPaths, before: float | None = None, own: Path | None = None
+) -> list[Path]:
+    """Delete the snapshots set aside for this name: a run of it has saved its LoRA. `before`:
+    only those set aside before that time (the run's start), and `own` (what the run set
+    aside itself): a run of the name started meanwhile keeps what it set aside."""
+    folders = [
+        f
+        for f in replaced_snapshots(paths)
+        if before is None or f.stat().st_mtime < before or (own is not None and f == own)
+    ]
     for folder in folders:
         shutil.rmtree(folder)
     return folders

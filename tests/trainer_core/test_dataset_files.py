@@ -182,17 +182,17 @@ def test_a_numbering_gap_in_every_sample_is_named(tmp_path):
 def test_unreadable_captions_and_folders_are_named(tmp_path, monkeypatch):
     # tests run as root, which reads every file: the refusals are simulated
     root = write_one_folder(tmp_path / "set", ["a", "b"], references=0)
-    real_read_text = Path.read_text
+    real_open = Path.open
 
-    def read_text(path, *args, **kwargs):
+    def path_open(path, *args, **kwargs):
         if path.name == "a.txt":
             raise PermissionError(13, "Permission denied", str(path))
-        return real_read_text(path, *args, **kwargs)
+        return real_open(path, *args, **kwargs)
 
     def iterdir(path):
         raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(Path, "read_text", read_text)
+    monkeypatch.setattr(Path, "open", path_open)
     with pytest.raises(DatasetProblems) as caught:
         scan_dataset(root)
     assert caught.value.problems == [

@@ -156,7 +156,7 @@ def test_a_resume_names_each_changed_setting_and_says_the_continuation_is_not_ex
     assert "learning_rate 0.0001 -> 5e-05 (accepted on purpose), guidance 1.0 -> 3.5" in both[0]
     fp8 = {"quantized": {"float8_e4m3fn": 8}, "plain": {}, "dynamic_vram": True}
     (note,) = continuation_notes(saved, 2, same, fp8)
-    assert "base weights [bfloat16 x8] -> [float8_e4m3fn x8; dynamic VRAM]" in note
+    assert "base weights [bfloat16 x8] -> [quantized float8_e4m3fn x8; dynamic VRAM]" in note
     older = {k: v for k, v in saved.items() if k not in ("base", "guidance")}  # recorded since
     assert continuation_notes(older, 2, same, fp8) == []  # a missing guidance counts as its default
     cosine = continuation_notes(run_record(TrainConfig(steps=4, schedule="cosine"), "d1"), 4, same)

@@ -166,7 +166,8 @@ class FluxFamily(ModelFamily):
         `forward_orig` with per-sample ids and an attention mask. With timestep-zero references
         (ComfyUI 0.33's `index_timestep_zero`) every sample gets ComfyUI's own call alone."""
         config, patcher = session.config, session.patcher
-        if config.layout in TIMESTEP_ZERO_LAYOUTS and batch.tokens.shape[0] > 1:
+        # (also one padded row: a data-parallel process's rows keep the global batch's padding)
+        if config.layout in TIMESTEP_ZERO_LAYOUTS and (batch.tokens.shape[0] > 1 or not batch.is_uniform()):
             return self._predict_one_by_one(session, batch, timestep, context, pooled)
         diffusion_model = patcher.model.diffusion_model
         dtype, device = _compute_dtype(patcher.model), patcher.load_device
