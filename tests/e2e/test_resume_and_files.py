@@ -174,11 +174,11 @@ def test_keep_last_counts_the_whole_run_across_resumes(server, dataset):
     """Issue 32: with keep_last 2, a Cancel and a resume left 4 checkpoints and 4 snapshots,
     and each further resume added more. Now the resumed run counts its origin's: the
     checkpoint it resumed from goes only once 2 newer ones exist."""
-    settings = {"steps": 12, "save_every": 1, "keep_last": 2, "seed": 6}
+    settings = {"steps": 40, "save_every": 1, "keep_last": 2, "seed": 6}
     cut = run_and_interrupt(server, training_graph(dataset, "kt_lineage", **settings), at_step=3)
     choice = progress_events(cut)[-1]["message"].split("resume from ")[1]
     stopped = int(choice.rsplit("_", 1)[1])
-    assert len(checkpoint_choices(server, "kt_lineage")) == 2 and stopped < 10
+    assert len(checkpoint_choices(server, "kt_lineage")) == 2 and stopped < 38
     snapshots = loras(server) / "kt_lineage_steps"
     assert len(list(snapshots.iterdir())) == 2
 
@@ -201,13 +201,13 @@ def test_keep_last_counts_the_whole_run_across_resumes(server, dataset):
     )
     succeeded(done)
     kept = checkpoint_choices(server, "kt_lineage")
-    assert [c.rsplit("_", 1)[1] for c in kept] == ["000011", "000012"] and len(
+    assert [c.rsplit("_", 1)[1] for c in kept] == ["000039", "000040"] and len(
         {c.split("/")[1] for c in kept}
     ) == 1
     assert len(list((checkpoints_root(server) / "kt_lineage").iterdir())) == 1  # emptied run folders go
     assert sorted(p.name for p in snapshots.iterdir()) == [  # the last step is the LoRA itself
-        "kt_lineage-step00000010.safetensors",
-        "kt_lineage-step00000011.safetensors",
+        "kt_lineage-step00000038.safetensors",
+        "kt_lineage-step00000039.safetensors",
     ]
 
 
@@ -223,7 +223,10 @@ def test_a_lora_saved_under_the_name_while_training_is_never_replaced(server, da
     def another_run_saves_the_name():  # as a CLI run of the same name finishing now
         lora.write_bytes(other.read_bytes())
 
-    messages = run_and_act(server, training_graph(dataset, "kt_race", steps=8), 2, another_run_saves_the_name)
+    # 40 steps: the run is still training when the other LoRA lands (events come every 0.25 s)
+    messages = run_and_act(
+        server, training_graph(dataset, "kt_race", steps=40), 2, another_run_saves_the_name
+    )
     succeeded(messages)
     assert lora.read_bytes() == other.read_bytes()  # the other run's LoRA is untouched
     renamed = loras(server) / "kt_race_2.safetensors"
@@ -233,7 +236,7 @@ def test_a_lora_saved_under_the_name_while_training_is_never_replaced(server, da
     )
     assert "overwrite is off" in message
     tensors, metadata = load(renamed)
-    assert tensors and metadata["ss_steps"] == "8"
+    assert tensors and metadata["ss_steps"] == "40"
     assert (loras(server) / "kt_race_2_loss.png").is_file() and not (
         loras(server) / "kt_race_loss.png"
     ).exists()
@@ -282,7 +285,7 @@ def test_a_cancelled_overwrite_keeps_the_replaced_runs_snapshots(server, dataset
     old_lora = (loras(server) / "kt_aside.safetensors").read_bytes()
     assert len(old_files) == 2
 
-    settings = {"steps": 20, "save_every": 1, "keep_last": 0, "seed": 9}
+    settings = {"steps": 40, "save_every": 1, "keep_last": 0, "seed": 9}
     cut = run_and_interrupt(
         server, training_graph(dataset, "kt_aside", overwrite=True, **settings), at_step=3
     )
@@ -301,7 +304,7 @@ def test_a_cancelled_overwrite_keeps_the_replaced_runs_snapshots(server, dataset
     )
     succeeded(resumed)
     assert not aside.exists()  # replaced now: this run's LoRA is saved
-    assert len([p for p in folder.iterdir() if p.is_file()]) == 19
+    assert len([p for p in folder.iterdir() if p.is_file()]) == 39  # steps 1..39; 40 is the LoRA
 
 
 def test_a_full_disk_while_saving_is_one_line_naming_the_checkpoint_to_resume(server, dataset):
