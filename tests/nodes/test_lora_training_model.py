@@ -219,7 +219,7 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(
     assert metadata["ss_network_dim"] == "4" and metadata["ss_steps"] == "4"
     assert metadata["kontext_trainer.targets"] == targets
     assert metadata["kontext_trainer.dataset_hash"] == "cafe"
-    architecture = {"flux": ("flux1", "flux-1-dev/lora"), "flux2": ("flux2", "Flux.2-dev/lora")}[family]
+    architecture = {"flux": ("flux1", "flux-1-dev/lora"), "flux2": ("flux_2_dev", "Flux.2-dev/lora")}[family]
     assert (metadata["ss_base_model_version"], metadata["modelspec.architecture"]) == architecture
     assert metadata["kontext_trainer.base_model"] == base_model
     if precision != "fp32":
