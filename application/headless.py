@@ -214,14 +214,21 @@ class ProgressPrinter:
         self.tty = self.stream.isatty()
         self._last = ""
         self._printed_at = 0.0
+        self._printed_step = -1  # a log gets one line per step: a preview's new ETA waits for the next
 
     def __call__(self, progress: Progress) -> None:
         if self.rank != 0 or progress.status == JobStatus.QUEUED or progress.loss is None:
             return
         line, now, final = describe(progress), time.monotonic(), progress.status != JobStatus.RUNNING
-        if line == self._last or (not final and not self.tty and now - self._printed_at < self.interval):
+        if line == self._last:
             return
-        self._last, self._printed_at = line, now
+        if (
+            not final
+            and not self.tty
+            and (now - self._printed_at < self.interval or progress.step <= self._printed_step)
+        ):
+            return
+        self._last, self._printed_at, self._printed_step = line, now, progress.step
         if self.tty:
             self.stream.write("\r\x1b[2K" + line + ("\n" if final else ""))
         else:

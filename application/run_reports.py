@@ -33,6 +33,7 @@ from ..trainer_core.run_files import (
     set_aside_snapshots,
     snapshot_steps,
 )
+from ..trainer_core.validation import VALIDATION_SIGMAS
 from ..trainer_core.vram import Estimate, module_weight_bytes
 
 if TYPE_CHECKING:  # training_run imports this module
@@ -229,16 +230,20 @@ class PreviewRounds:
 
 
 def start_tracking(
-    job: TrainingJob, config: TrainConfig, resume: Checkpoint | None, preview, validates: bool
+    job: TrainingJob, config: TrainConfig, resume: Checkpoint | None, preview, held_out: int
 ) -> ProgressTracker:
     """The progress tracker, with what recurs beside the steps, and the earlier points of a
     resumed run on the job (its chart continues)."""
-    tracker = ProgressTracker(config.steps, resume.step if resume else 0)
-    if preview is not None:
-        tracker.recurring("preview", preview.every_n_steps, at_end=True)
+    tracker = ProgressTracker(
+        config.steps, resume.step if resume else 0, earlier_losses=resume.losses if resume else ()
+    )
+    if preview is not None:  # a sampling step is a forward (two with cfg), one per preview image
+        forwards = preview.steps * (2 if preview.cfg > 1.0 else 1) * max(len(preview.positive), 1)
+        tracker.recurring("preview", preview.every_n_steps, at_end=True, forwards=forwards)
     tracker.recurring("checkpoint", config.save_every or config.steps, at_end=True)
-    if validates:
-        tracker.recurring("validation", config.validate_every or config.steps, at_end=True)
+    if held_out:  # one forward per held-out sample and noise level
+        forwards = held_out * len(VALIDATION_SIGMAS)
+        tracker.recurring("validation", config.validate_every or config.steps, at_end=True, forwards=forwards)
     for loss in resume.losses if resume else []:
         job.record_loss(loss)
     for step, loss in resume.validation if resume else []:

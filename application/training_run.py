@@ -185,7 +185,7 @@ class TrainingRun:
         )
         self.samples = SampleCache(dataset, model)
         self.held_out = self.samples.held_out()
-        self.tracker = start_tracking(job, config, resume, self.preview, validates=bool(self.held_out))
+        self.tracker = start_tracking(job, config, resume, self.preview, held_out=len(self.held_out or ()))
         self.estimate = announce_estimate(
             job, self.tracker, model, dataset, config, self.paths, resume_notes=self.notes
         )

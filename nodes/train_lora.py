@@ -162,16 +162,24 @@ class EventSender:
         server.send_sync(PROGRESS_EVENT, {**self.base, **dataclasses.asdict(progress)})
 
 
+# Not "TrainLoRA": node search lists it beside ComfyUI core's "Train LoRA"; the node id stays
+# KontextTrainer_TrainLoRA, so saved workflows keep loading.
+DISPLAY_NAME = "Train Edit LoRA (Kontext Trainer)"
+
+
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=node_id("TrainLoRA"),
-            display_name="TrainLoRA",
+            display_name=DISPLAY_NAME,
             category="Kontext Trainer",
-            description=f"Trains a LoRA for {trained_models()} (with references: Kontext, DreamOmni2) "
-            "on the MODEL in a background thread; Cancel stops at a step boundary and writes a "
-            "checkpoint to resume from.",
+            description=f"Kontext Trainer's trainer for image-edit LoRAs: {trained_models()}, with "
+            "reference images (Kontext, DreamOmni2, FLUX.2 multi-reference) or without. Trains on "
+            "the MODEL of the stock loader in a background thread with a live panel (progress, "
+            "loss, ETA, previews); writes models/loras/<lora_name>.safetensors for the stock "
+            "LoraLoader; Cancel stops at a step boundary and writes a checkpoint that resume_from "
+            "continues exactly. (ComfyUI's own \"Train LoRA\" is a different node.)",
             is_output_node=True,
             not_idempotent=True,
             hidden=[io.Hidden.unique_id, io.Hidden.prompt, io.Hidden.extra_pnginfo],

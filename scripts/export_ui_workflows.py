@@ -34,6 +34,78 @@ SHOT_SETTINGS = {
     "Comfy.Graph.CanvasInfo": False,
     "LiteGraph.Canvas.MinFontSizeForLOD": 1,
 }
+# The zoom each example opens at: the frontend draws nodes without text below about 0.6
+# (LiteGraph's low-quality threshold; MinFontSizeForLOD 8 px on 14 px text on 1.49), and a
+# fit-to-window view of a training graph is below that on a laptop screen.
+OPEN_SCALE = 0.8
+# What each example does and what it needs, on the canvas (custom-node template cards show only
+# the file name: the frontend's template store gives a pack's cards no title or description).
+DEMO = "Runs as shipped on the files `make demo` writes (random weights: the images are coloured noise)."
+NOTES = {
+    "kontext_lora_training": (
+        "Train a FLUX.1 Kontext LoRA on edit pairs.\n\n"
+        "Dataset: input/kontext_demo (name.png target + name_control.png reference + name.txt "
+        "caption). " + DEMO + "\n\nFor real training: load flux1-dev-kontext (or its fp8_scaled "
+        "file), clip_l, t5xxl and ae in the loaders, raise resolution, steps and rank. Progress, "
+        "loss and previews show on the Train Edit LoRA node; Cancel writes a checkpoint to resume."
+    ),
+    "kontext_lora_inference": (
+        "Edit an image with a trained Kontext LoRA (kontext_demo_lora, what the training example "
+        "writes) through MultiImageConditioning in the layout it was trained with. " + DEMO
+    ),
+    "dreamomni2_lora_training": (
+        "Train a multi-reference (DreamOmni2 layout) LoRA: two references per sample.\n\n"
+        "Dataset: input/dreamomni2_demo (name.png + name_control.png + name_control_1.png + "
+        "name.txt); previews use person.png and hat.png. " + DEMO
+    ),
+    "flux_dev_lora_training": (
+        "Train a FLUX.1-dev LoRA without references (text to image).\n\n"
+        "Dataset: input/flux_dev_demo (name.png + name.txt). " + DEMO
+    ),
+    "multi_reference_dreamomni2": (
+        "Sample FLUX.1 Kontext with two reference images (person.png + hat.png) in the DreamOmni2 "
+        "layout.\n\nNeeds model files the demo cannot make: flux1-dev-kontext_fp8_scaled.safetensors "
+        "(models/diffusion_models), clip_l.safetensors and t5xxl_fp8_e4m3fn_scaled.safetensors "
+        "(models/text_encoders), ae.safetensors (models/vae), or pick yours in the loaders."
+    ),
+    "flux2_lora_training": (
+        "Train a FLUX.2 [dev] multi-reference LoRA (index layout).\n\nNeeds FLUX.2 files the demo "
+        "cannot make: flux2_dev_fp8mixed.safetensors (models/diffusion_models), "
+        "mistral_3_small_flux2_bf16.safetensors (models/text_encoders), flux2-vae.safetensors "
+        "(models/vae). Dataset: input/flux2_demo (two references per sample); previews use "
+        "person.png and hat.png."
+    ),
+    "flux2_lora_inference": (
+        "Sample FLUX.2 [dev] with the LoRA the FLUX.2 training example writes (flux2_lora) and two "
+        "references (person.png + hat.png).\n\nNeeds FLUX.2 files the demo cannot make: "
+        "flux2_dev_fp8mixed.safetensors, mistral_3_small_flux2_bf16.safetensors, "
+        "flux2-vae.safetensors."
+    ),
+}
+# After the API graph is laid out: the note above it, seeds that stay put (a user comparing LoRAs
+# compares them on one seed), and the view at OPEN_SCALE with the note and the first nodes in it.
+ARRANGE_JS = """([note, scale]) => {
+    const app = window.comfyAPI.app.app;
+    const graph = app.graph;
+    for (const node of graph._nodes) {
+        for (const widget of node.widgets ?? []) {
+            if (widget.name === "control_after_generate") widget.value = "fixed";
+        }
+    }
+    const left = Math.min(...graph._nodes.map((n) => n.pos[0]));
+    const top = Math.min(...graph._nodes.map((n) => n.pos[1]));
+    const memo = window.LiteGraph.createNode("Note");
+    memo.title = "About this example";
+    memo.widgets[0].value = note;
+    memo.size = [520, 200];
+    memo.pos = [left, top - 240];
+    graph.add(memo);
+    app.canvas.ds.scale = scale;
+    // (screen = (graph + offset) x scale): the note's corner 150 px right of and below the page's
+    app.canvas.ds.offset = [150 / scale - left, 150 / scale - (top - 240)];
+    app.canvas.setDirty(true, true);
+}"""
+SAVED_JS = "() => JSON.parse(JSON.stringify(window.comfyAPI.app.app.graph.serialize()))"
 VISIBLE_TOASTS = """() => [...document.querySelectorAll('.p-toast-message')]
     .filter((t) => t.offsetParent !== null).map((t) => t.innerText.trim())"""
 
@@ -60,14 +132,15 @@ def main() -> int:
             timeout=60_000,
         )
         for source in sources:
-            workflow = page.evaluate(
+            page.evaluate(
                 """async ([prompt, name]) => {
                     const app = window.comfyAPI.app.app;
                     await app.loadApiJson(prompt, name);
-                    return JSON.parse(JSON.stringify(app.graph.serialize()));
                 }""",
                 [json.loads(source.read_text()), source.name],
             )
+            page.evaluate(ARRANGE_JS, [NOTES[source.stem], OPEN_SCALE])
+            workflow = page.evaluate(SAVED_JS)
             page.evaluate(
                 "([workflow, name]) => window.comfyAPI.app.app.loadGraphData(workflow, true, true, name)",
                 [workflow, source.stem],
@@ -79,12 +152,10 @@ def main() -> int:
                 return 1
             target = REPO_ROOT / "example_workflows" / source.name
             target.write_text(json.dumps(workflow, indent=2) + "\n")
-            page.evaluate(
-                "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.Canvas.FitView')"
-            )
-            page.wait_for_timeout(500)
+            page.wait_for_timeout(500)  # opened at its saved view: the note and the first nodes
             thumbnail = target.with_suffix(".jpg")
-            canvas_only = {"x": 64, "y": 96, "width": 1536, "height": 972}  # no menus or banners
+            # a card is 600 x 380: a region that shrinks little keeps the text readable
+            canvas_only = {"x": 120, "y": 130, "width": 900, "height": 570}  # no menus or banners
             shot = Image.open(io.BytesIO(page.screenshot(clip=canvas_only))).convert("RGB")
             shot.resize((600, 380), Image.Resampling.LANCZOS).save(thumbnail, quality=85)
             print(f"wrote {target.relative_to(REPO_ROOT)} and {thumbnail.name}")

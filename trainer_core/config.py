@@ -86,7 +86,7 @@ class TrainConfig:
     fp8_mode: Fp8Mode = knob(Fp8Mode.AS_LOADED, choices=Fp8Mode)
     blocks_to_swap: int = knob(0, min=0, max=200)
     seed: int = knob(0, min=0, max=2**31 - 1, must_match=True)
-    save_every: int = knob(0, min=0, max=1_000_000)
+    save_every: int = knob(100, min=0, max=1_000_000)
     keep_last: int = knob(3, min=0, max=1000)
     # Added later (their widgets come after the older ones: application/widget_schema.py)
     validate_every: int = knob(100, min=0, max=1_000_000)

@@ -15,7 +15,7 @@ import dataclasses
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 from .choices import JobStatus
@@ -53,17 +53,28 @@ class ProgressTracker:
         beta: float = 0.9,
         window: int = 10,
         clock: Callable[[], float] = time.perf_counter,
+        earlier_losses: Sequence[float] = (),
     ):
         self.total, self.beta, self._clock = total, beta, clock
         self._ema, self._count = 0.0, 0
+        # a resumed run's average continues from the losses before it, as its chart does
+        for loss in earlier_losses:
+            self._count += 1
+            self._ema = beta * self._ema + (1 - beta) * loss
         self._times: deque[float] = deque(maxlen=window)
         self._recurring: dict[str, tuple[int, bool]] = {}
         self._durations: dict[str, list[float]] = {}
         self._done_at_end: set[str] = set()
+        self._forwards: dict[str, float] = {}
         self.progress = Progress(status=JobStatus.RUNNING, step=start_step, total=total)
 
-    def recurring(self, kind: str, every: int, at_end: bool) -> None:
+    def recurring(self, kind: str, every: int, at_end: bool, forwards: float = 0.0) -> None:
+        """`kind` runs every `every` steps (and after the last step if `at_end`). Until it has
+        been timed once, each run counts as `forwards` model forward passes at a third of a
+        training step each (forward, backward: about two more), so the ETA does not jump when
+        the first one is measured."""
         self._recurring[kind] = (every, at_end)
+        self._forwards[kind] = forwards
 
     @contextlib.contextmanager
     def timed(self, kind: str):
@@ -88,9 +99,10 @@ class ProgressTracker:
             return None
         per_step = sum(self._times) / len(self._times)
         extra = 0.0
-        for kind, durations in self._durations.items():
-            if kind in self._recurring and durations:
-                extra += sum(durations) / len(durations) * self.due(kind, step)
+        for kind in self._recurring:
+            durations = self._durations.get(kind)
+            each = sum(durations) / len(durations) if durations else self._forwards[kind] * per_step / 3
+            extra += each * self.due(kind, step)
         return per_step * (self.total - step) + extra
 
     def update(self, info: StepInfo) -> Progress:

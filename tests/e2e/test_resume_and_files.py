@@ -82,6 +82,9 @@ def test_cancel_then_resume_gives_the_uninterrupted_losses(server, dataset, opti
     for step, (a, b) in enumerate(zip(uninterrupted, resumed_losses, strict=True), 1):
         print(f"  {step:3d}  {a:.6f}  {b:.6f}{'  <- resumed' if step == stopped_at + 1 else ''}")
     assert resumed_losses == uninterrupted  # exactly, on CPU
+    # the node's smoothed loss goes on from the earlier steps too (it restarted: issue 33)
+    smoothed = [progress_events(run)[-1]["smoothed_loss"] for run in (full, resumed)]
+    assert smoothed[1] == pytest.approx(smoothed[0], rel=1e-9), smoothed
     assert snapshot(original_run) == before  # the checkpoint resumed from is untouched
 
     # a finished run continues with more steps (its final step was checkpointed)

@@ -71,3 +71,25 @@ def test_multi_image_conditioning_is_described_for_the_frontend(server):
     ]
     assert set(entry["input"]["optional"]) == {"image_2", "image_3", "image_4"}
     assert entry["output"] == ["MODEL", "CONDITIONING"]
+
+
+def test_node_search_tells_our_trainer_from_comfyuis_and_its_defaults_checkpoint(server):
+    """Node search lists display names: ours must not read like core's "Train LoRA" (issue 33),
+    its description must name every model it trains, and a fresh node must write checkpoints
+    along the way (a crash near the end of a default run lost everything with save_every 0)."""
+    info = server.get_json("/object_info")
+    ours = info["KontextTrainer_TrainLoRA"]
+    others = {
+        (entry.get("display_name") or key).lower()
+        for key, entry in info.items()
+        if key != "KontextTrainer_TrainLoRA"
+    }
+    assert ours["display_name"].lower() not in others
+    assert "kontext trainer" in ours["display_name"].lower()
+    # a search for "train lora" finds both: the name must say which one is ours
+    assert ours["display_name"].replace(" ", "").lower() != "trainlora"
+    for model in ("FLUX.1", "Kontext", "DreamOmni2", "FLUX.2"):
+        assert model in ours["description"], model
+    required = ours["input"]["required"]
+    steps, save_every = required["steps"][1]["default"], required["save_every"][1]["default"]
+    assert 0 < save_every < steps

@@ -107,6 +107,11 @@ def test_trains_what_the_graph_trains_and_writes_its_files(uninterrupted, files,
     assert graph["loss"] == pytest.approx(losses[:6], rel=1e-5)
 
 
+def last_average(stdout: str) -> str:
+    bar = [line for line in stdout.splitlines() if PROGRESS.match(line)]
+    return re.search(r"\(avg ([\d.]+)\)", bar[-1]).group(1)
+
+
 def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
     _, losses, lora = uninterrupted
     config = write_config(
@@ -154,6 +159,8 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
     final = checkpoints(files.base, "stop")[-1]
     resumed_losses, resumed_lora = final_state(final)
     assert resumed_losses == losses  # exactly: the same process setup, one step boundary apart
+    # the average goes on from the earlier losses, as the chart does (it restarted: issue 33)
+    assert last_average(result.stdout) == last_average(uninterrupted[0].stdout)
     for key, value in lora.items():
         assert torch.equal(resumed_lora[key], value), key
 
@@ -345,3 +352,23 @@ def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_
     assert f"resumed from step {STEPS} with changed settings: learning_rate " in said, said
     assert "(accepted on purpose), guidance 1.0 -> 3.5" in said
     assert "no longer exactly the uninterrupted run's" in said
+
+
+def test_a_log_gets_one_line_per_step(comfy_runtime):
+    """Issue 33: the command printed step 12 twice (again when the preview after it changed the
+    ETA)."""
+    import importlib
+    import io
+
+    from trainer_core.job import Progress
+
+    headless = importlib.import_module(comfy_runtime.pack_module_name + ".application.headless")
+    ProgressPrinter = headless.ProgressPrinter
+    stream = io.StringIO()
+    printer = ProgressPrinter(0, stream, interval=0.0)
+    base = Progress(status="running", step=12, total=24, loss=1.0, smoothed_loss=1.0)
+    printer(dataclasses.replace(base, seconds_per_step=1.0, eta_seconds=12.0))
+    printer(dataclasses.replace(base, seconds_per_step=1.0, eta_seconds=20.0))  # after the preview
+    printer(dataclasses.replace(base, step=13, seconds_per_step=1.0, eta_seconds=19.0))
+    lines = stream.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["12/24", "13/24"], lines

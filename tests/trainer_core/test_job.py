@@ -5,6 +5,7 @@ ETA that counts the previews and checkpoints to come: a user saw 34 s announced 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import threading
 
@@ -212,3 +213,39 @@ def test_a_finished_job_keeps_nothing_of_its_run(fails):
         assert wait_for(job, lambda progress: None, lambda: None, poll_seconds=0.01) == "done"
     gc.collect()
     assert alive() is None
+
+
+def test_a_resumed_runs_smoothed_loss_continues_the_uninterrupted_one():
+    """Issue 33: after a resume the average restarted from the first new loss (1.6993 against
+    1.8176 uninterrupted) while the chart's curve continued."""
+    losses = [3.0, 2.5, 2.75, 1.5, 1.25, 2.0]
+    whole = ProgressTracker(6)
+    expected = [whole.update(step(i + 1, 6, loss=v)).smoothed_loss for i, v in enumerate(losses)]
+    resumed = ProgressTracker(6, start_step=3, earlier_losses=losses[:3])
+    got = [resumed.update(step(i + 1, 6, loss=v)).smoothed_loss for i, v in enumerate(losses) if i >= 3]
+    assert got == pytest.approx(expected[3:], rel=1e-12)
+    assert got[0] != pytest.approx(ProgressTracker(6).update(step(4, 6, loss=1.5)).smoothed_loss)
+
+
+def test_the_eta_does_not_jump_when_the_first_preview_or_validation_is_timed():
+    """Before a recurring task is measured, it counts as its forward passes at a third of a
+    step each; a preview that takes just that leaves the ETA where it was."""
+    clock = FakeClock()
+    tracker = ProgressTracker(12, clock=clock)
+    tracker.recurring("preview", 4, at_end=True, forwards=6)  # 6 forwards: 2 s at 1 s per step
+    tracker.recurring("validation", 6, at_end=True, forwards=3)  # 1 s
+    etas = []
+    for number in range(1, 13):
+        etas.append(tracker.update(step(number, 12)).eta_seconds)
+        if number % 6 == 0:
+            with tracker.timed("validation"):
+                clock.now += 1.0
+            etas.append(tracker.progress.eta_seconds)
+        if number % 4 == 0:
+            with tracker.timed("preview"):
+                clock.now += 2.0
+            etas.append(tracker.progress.eta_seconds)
+    # by hand after step 1: 11 steps, previews after 4, 8 and the end (3 x 2 s), validation
+    # after 6 and the end (2 x 1 s)
+    assert etas[0] == pytest.approx(11 + 6 + 2)
+    assert all(later <= earlier + 1e-9 for earlier, later in itertools.pairwise(etas)), etas
