@@ -35,6 +35,19 @@ OPEN_JS = """async ([workflow, name]) => {
 }"""
 
 
+def user_images(inputs) -> None:
+    """The images the examples name, as a user has them: the demo's reference (its own code)
+    and stand-ins for a user's `person.png` / `hat.png`."""
+    from PIL import Image
+
+    import demo_dataset
+
+    demo_dataset.write_reference_image(inputs)
+    for image in ("person.png", "hat.png"):
+        if not (inputs / image).is_file():
+            Image.new("RGB", (64, 64), (200, 100, 50)).save(inputs / image)
+
+
 def demo_makes(name: str) -> bool:
     """The model files `make demo` writes (scripts/demo_assets.py) and the LoRA it trains."""
     return name.startswith("kontext-trainer-demo") or name == "kontext_demo_lora.safetensors"
@@ -43,6 +56,7 @@ def demo_makes(name: str) -> bool:
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
 def test_an_example_opens_readable_with_its_note_and_fixed_seeds(comfy_page, server, path):
     workflow = json.loads(path.read_text())
+    user_images(server.base_dir / "input")
     comfy_page.forget_problems()
     seen = comfy_page.evaluate(OPEN_JS, [workflow, path.stem])
     assert seen["scale"] >= TEXT_ZOOM, f"{path.name} opens at {seen['scale']:.2f}: nodes drawn without text"
@@ -55,6 +69,7 @@ def test_an_example_opens_readable_with_its_note_and_fixed_seeds(comfy_page, ser
             if not demo_makes(name) and not name.startswith(("flux2_lora", "kontext_demo")):
                 assert name.removesuffix(".safetensors") in note, f"{path.name}: the note never names {name}"
     assert all(value == "fixed" for value in seen["seeds"]), f"{path.name}: seeds {seen['seeds']}"
+    comfy_page.wait_for_timeout(500)  # LoadImage previews load on the next ticks
     assert not comfy_page.ui_problems(), comfy_page.ui_problems()
 
 
