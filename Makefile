@@ -1,8 +1,10 @@
-# The two commands of the README, and the set-up step both share.
+# The commands of the README, and the set-up step they share.
 #   make demo   set up, then train a LoRA end to end through a headless ComfyUI
+#   make ui     set up, then start ComfyUI with the pack on the demo's files (CPU); prints the
+#               address to open (PORT=8189 make ui for another port)
 #   make test   set up, then lint and run every test layer
 #   make test-gpu   set up, then the GPU layer (tests/gpu) with ComfyUI booted on CUDA
-.PHONY: setup test test-gpu demo lint
+.PHONY: setup test test-gpu demo ui lint
 
 setup:
 	@bash scripts/setup.sh
@@ -16,6 +18,9 @@ test-gpu: setup
 
 demo: setup
 	@bash scripts/demo.sh
+
+ui: setup
+	@bash scripts/demo.sh ui $(if $(PORT),--port $(PORT))
 
 lint: setup
 	@.venv/bin/ruff check .

@@ -1,8 +1,10 @@
-"""The demo: train a Kontext LoRA end to end through a real, headless ComfyUI.
+"""The demo: train a Kontext LoRA end to end through a real, headless ComfyUI; or, with `ui`,
+start that ComfyUI on the demo's files for a browser (`make ui`).
 
 1. generates (once, cached) the stock-loadable random-weight Flux, its VAE and a CLIP-L
-   (`demo_assets`) and a small synthetic edit dataset (`demo_dataset`: shapes and their
-   blue-recoloured edits, with captions), in `.cache/`;
+   (`demo_assets`), and every input the shipped examples name whose models these are
+   (`demo_dataset`: the Kontext edit pairs, the FLUX.1-dev and DreamOmni2 datasets, the reference
+   images), in `.cache/`;
 2. starts ComfyUI (`main.py --cpu`) with the pack, on a free local port, base directory
    `.cache/demo/`;
 3. queues `example_workflows/api/kontext_lora_training.json` over the HTTP API (stock
@@ -13,21 +15,40 @@
    held-out validation loss (one of the eight samples is held out) at each point it was
    computed;
 5. queues `example_workflows/api/kontext_lora_inference.json` as shipped (it loads that LoRA
-   and that reference) and prints where the edited image landed in output/.
+   and that reference) and prints where its image landed in output/: with random weights and a
+   minute of training that image is coloured noise, not an edited circle; it shows the path runs.
 
-Rerunning reuses the models, the dataset and the encoded-latent cache; training reruns and
+Rerunning reuses the models, the datasets and the encoded-latent cache; training reruns and
 replaces the demo LoRA. Run it with `make demo` (which sets everything up first).
+
+`ui [--port N] [--base-directory DIR]`: the same preparation, then the chosen ComfyUI (0.3.75,
+or KONTEXT_TRAINER_COMFYUI's) with the pack on the CPU, in the foreground, on the demo's base
+directory with a sqlite database file in it; prints the address to open. Ctrl-C stops it.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
+import signal
+import subprocess
 import sys
 import time
+import urllib.error
+import urllib.request
+from pathlib import Path
 
-from comfy_server import REPO_ROOT, ComfyServer, asset_cache_dir, comfyui_root, make_base_directory
+from comfy_server import (
+    REPO_ROOT,
+    ComfyServer,
+    asset_cache_dir,
+    comfyui_root,
+    comfyui_site,
+    make_base_directory,
+)
 from demo_assets import ensure_assets, link_into_models
-from demo_dataset import REFERENCE_IMAGE, write_demo_dataset
+from demo_dataset import KONTEXT_FOLDER, REFERENCE_IMAGE, write_example_inputs
 
 WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
 INFERENCE = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_inference.json"
@@ -96,7 +117,8 @@ def prepare_assets() -> dict:
     """The demo model files, generated with ComfyUI's own classes on the first run."""
     import torch
 
-    sys.path.insert(0, str(comfyui_root()))
+    for path in filter(None, [comfyui_root(), comfyui_site()]):  # its own frontend packages first
+        sys.path.insert(0, str(path))
     from comfy.cli_args import args as comfy_args
 
     comfy_args.cpu = comfy_args.cpu or not torch.cuda.is_available()
@@ -145,26 +167,104 @@ def sample(server: ComfyServer, base, lora_name: str) -> bool:
         return False
     images = server.history(prompt_id)["outputs"][node_of(workflow, "SaveImage")]["images"]
     for image in images:
-        say(f"edited image saved: {base / 'output' / image['subfolder'] / image['filename']}")
+        say(f"inference image saved: {base / 'output' / image['subfolder'] / image['filename']}")
+    say(
+        "expect coloured noise in it, not a blue circle: the demo's models have random weights and "
+        "trained for a minute; it shows that training, saving and loading the LoRA work"
+    )
     return True
 
 
-def main() -> int:
-    started = time.monotonic()
+def prepare(base: Path) -> Path:
+    """The demo's model files and every input of the examples they serve, in base directory `base`."""
     say("preparing the random-weight Flux, VAE and CLIP-L (generated once, cached in .cache/assets)")
     assets = prepare_assets()
-    base = make_base_directory(DEMO_BASE)
+    base = make_base_directory(base)
     link_into_models(assets, base / "models")
-    dataset = write_demo_dataset(base / "input" / "kontext_demo")
-    say(f"dataset: {len(list(dataset.glob('*_control.png')))} edit pairs in {dataset}")
-    say(f"reference for previews and inference: {base / 'input' / REFERENCE_IMAGE}")
+    inputs = write_example_inputs(base / "input")
+    pairs = len(list(inputs[KONTEXT_FOLDER].glob("*_control.png")))
+    say(f"dataset: {pairs} edit pairs in {inputs[KONTEXT_FOLDER]}")
+    say(f"reference for previews and inference: {inputs[REFERENCE_IMAGE]}")
+    others = ", ".join(name for name in inputs if name not in (KONTEXT_FOLDER, REFERENCE_IMAGE))
+    say(f"the other examples' inputs, also in {base / 'input'}: {others}")
+    return base
+
+
+def demo() -> int:
+    started = time.monotonic()
+    base = prepare(DEMO_BASE)
     with ComfyServer(base) as server:
         say(f"ComfyUI is up at {server.url} (log: {server.log_path})")
         lora_name = train(server, base)
         if lora_name is None or not sample(server, base, lora_name):
             return 1
     say(f"done in {time.monotonic() - started:.0f} s; load it with LoraLoaderModelOnly as '{lora_name}'")
+    say("to try the examples in a browser on these files: make ui")
     return 0
+
+
+def ui_command(base: Path, port: int) -> list[str]:
+    """ComfyUI with the pack on the CPU, on `base`, with a sqlite file there (ComfyUI 0.33 cannot
+    open its default database path on a base directory and says so at start)."""
+    return [
+        sys.executable,
+        "main.py",
+        "--cpu",
+        "--listen",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--base-directory",
+        str(base),
+        "--database-url",
+        f"sqlite:///{base / 'user' / 'comfyui.db'}",
+        "--disable-auto-launch",
+    ]
+
+
+def ui(port: int, base: Path) -> int:
+    """Prepare the demo's files, start ComfyUI in the foreground, print its address."""
+    base = prepare(base)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    site = comfyui_site()
+    if site is not None:  # this ComfyUI's own frontend packages (0.33) before the venv's
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(site), env.get("PYTHONPATH")]))
+    process = subprocess.Popen(ui_command(base, port), cwd=comfyui_root(), env=env)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
+    url = f"http://127.0.0.1:{port}"
+    try:
+        while process.poll() is None:
+            try:
+                urllib.request.urlopen(f"{url}/system_stats", timeout=2).close()
+                break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                time.sleep(0.3)
+        else:
+            return process.returncode
+        say(f"ComfyUI ({comfyui_root().name}) with the pack, on the demo's files in {base}")
+        say(f"open {url} in a browser; the examples are under Templates -> Extensions. Ctrl-C stops it.")
+        return process.wait()
+    except KeyboardInterrupt:
+        return process.wait()  # Ctrl-C reached ComfyUI too: it stops by itself
+    finally:
+        if process.poll() is None:
+            process.terminate()
+            try:
+                process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command")
+    browser = commands.add_parser("ui", help="start ComfyUI with the pack on the demo's files")
+    browser.add_argument("--port", type=int, default=8188)
+    browser.add_argument("--base-directory", type=Path, default=DEMO_BASE)
+    args = parser.parse_args(argv)
+    if args.command == "ui":
+        return ui(args.port, args.base_directory.resolve())
+    return demo()
 
 
 if __name__ == "__main__":

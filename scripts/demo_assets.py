@@ -3,7 +3,8 @@
 Writes, once, into a cache folder outside git:
   diffusion_models/kontext-trainer-demo-flux.safetensors  Flux, hidden 3072, 1 double + 1 single
       block, text/pooled inputs 768 so the CLIP-L below drives it (the stock UNETLoader needs
-      hidden 3072: its detection hard-codes 24 heads and axes [16, 56, 56]).
+      hidden 3072: its detection hard-codes 24 heads and axes [16, 56, 56]); saved under the
+      real files' (BFL's) tensor names, which every supported ComfyUI loads, whichever wrote it.
   vae/kontext-trainer-demo-ae.safetensors                 the Flux VAE with BFL's `ae` key names.
   text_encoders/kontext-trainer-demo-clip-l.safetensors   a CLIP-L text encoder.
 Then links them into a ComfyUI models/ folder. Run inside a ComfyUI environment
@@ -103,15 +104,43 @@ def seeded_state(module: torch.nn.Module, seed: int, dtype: torch.dtype) -> dict
     return out
 
 
-def flux_state_dict(seed: int = 1) -> dict[str, torch.Tensor]:
+def real_file_names(model: torch.nn.Module) -> dict[str, str]:
+    """The running ComfyUI's parameter name -> the name real Flux files use (BFL's
+    `flux1-dev.safetensors`), for the names that differ: an RMSNorm's weight is `.scale` there.
+    ComfyUI 0.33 builds its RMSNorm as torch's (`.weight`) and renames `_norm.scale` on load;
+    0.3.75 holds `.scale` itself and detects Flux only by that name, so a file saved with 0.33's
+    names breaks 0.3.75 ("Could not detect model type")."""
+    return {
+        f"{module_name}.weight": f"{module_name}.scale"
+        for module_name, module in model.named_modules()
+        if type(module).__name__ == "RMSNorm"
+        and isinstance(getattr(module, "weight", None), torch.nn.Parameter)
+    }
+
+
+def flux_on_meta() -> torch.nn.Module:
     import comfy.ldm.flux.model
     import comfy.ops
 
     with torch.device("meta"):
-        model = comfy.ldm.flux.model.Flux(
+        return comfy.ldm.flux.model.Flux(
             operations=comfy.ops.disable_weight_init, **for_this_comfyui(DEMO_FLUX_CONFIG)
         )
-    return _seeded_from_meta(model, seed, torch.bfloat16)
+
+
+def flux_file_shapes() -> dict[str, torch.Size]:
+    """Name -> shape of each tensor of the demo Flux file, under the real files' names."""
+    model = flux_on_meta()
+    renamed = real_file_names(model)
+    return {renamed.get(name, name): param.shape for name, param in model.named_parameters()}
+
+
+def flux_state_dict(seed: int = 1) -> dict[str, torch.Tensor]:
+    """The demo Flux's seeded weights under the real files' names (see `real_file_names`)."""
+    model = flux_on_meta()
+    renamed = real_file_names(model)
+    state = _seeded_from_meta(model, seed, torch.bfloat16)
+    return {renamed.get(name, name): value for name, value in state.items()}
 
 
 def flux_ae_state_dict(seed: int = 2) -> dict[str, torch.Tensor]:
@@ -149,8 +178,18 @@ def _write_atomic(state: dict[str, torch.Tensor], path: Path) -> None:
     os.replace(tmp, path)
 
 
+def holds_names(path: Path, names) -> bool:
+    """Whether the safetensors file at `path` holds exactly the tensors `names` (reads the header)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as file:
+        return set(file.keys()) == set(names)
+
+
 def ensure_assets(cache_dir: Path) -> dict[str, Path]:
-    """Generate the three files under cache_dir/ASSET_VERSION unless already there."""
+    """Generate the three files under cache_dir/ASSET_VERSION unless already there. A cached Flux
+    under other names than the real files' (one saved by an earlier version on ComfyUI 0.33) is
+    written again."""
     root = cache_dir / ASSET_VERSION
     makers = {
         "flux": (FLUX_FILE, flux_state_dict),
@@ -160,6 +199,9 @@ def ensure_assets(cache_dir: Path) -> dict[str, Path]:
     paths = {}
     for key, ((folder, name), make) in makers.items():
         path = root / folder / name
+        if key == "flux" and path.is_file() and not holds_names(path, flux_file_shapes()):
+            print(f"[demo-assets] {folder}/{name}: not the real files' tensor names", file=sys.stderr)
+            path.unlink()
         if not path.is_file():
             print(f"[demo-assets] generating {folder}/{name}", file=sys.stderr)
             _write_atomic(make(), path)

@@ -9,23 +9,16 @@ from __future__ import annotations
 import json
 import random
 import re
-import uuid
 from urllib.parse import parse_qs, urlparse
 
 import pytest
 
 from kt_testing.datasets import write_one_folder
-from kt_testing.frontend import extension_registered
+from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload, ui_format_converter
 from kt_testing.graphs import training_graph
 from kt_testing.paths import REPO_ROOT
 
 ARTIFACTS = REPO_ROOT / ".cache" / "test-artifacts"
-
-RUN_SHOWN = """(node) => {
-    const run = window.KontextTrainer?.runShown?.(node);
-    return run ? {prompt: run.promptId, status: run.status, step: run.progress.step ?? 0,
-                  points: run.losses.length, workflow: run.workflowId} : null;
-}"""
 
 PANEL = """(node) => {
     const graph = window.comfyAPI.app.app.graph;
@@ -40,20 +33,6 @@ PANEL = """(node) => {
     };
 }"""
 
-# Put a workflow on the canvas as a user opens a saved one: a UI-format workflow with its own id.
-OPEN_WORKFLOW = """async ([workflow, name]) => {
-    await window.comfyAPI.app.app.loadGraphData(workflow, true, true, name);
-}"""
-
-TO_UI_FORMAT = """async (graph) => {
-    const app = window.comfyAPI.app.app;
-    app.loadApiJson(graph, 'converted.json');
-    for (let i = 0; i < 200 && !app.graph.getNodeById(5)?.ktTrainingPanel; i++) {
-        await new Promise((resolve) => setTimeout(resolve, 50));
-    }
-    return JSON.stringify(app.graph.serialize()); // as the frontend saves: no undefined keys
-}"""
-
 
 @pytest.fixture(scope="module")
 def dataset(server):
@@ -64,14 +43,8 @@ def dataset(server):
 
 @pytest.fixture(scope="module")
 def to_ui_format(chromium, server):
-    """API graph -> the frontend's own workflow format, converted by the frontend in a page of
-    its own (loading an API graph opens a tab for it, and that graph has the zero uuid)."""
-    page = chromium.new_page()
-    page.goto(server.url)
-    page.wait_for_function(
-        "() => !!window.LiteGraph?.registered_node_types?.['KontextTrainer_TrainLoRA']", timeout=60_000
-    )
-    yield lambda graph: json.loads(page.evaluate(TO_UI_FORMAT, graph))
+    convert, page = ui_format_converter(chromium, server)
+    yield convert
     page.close()
 
 
@@ -79,49 +52,6 @@ def prepare(page, server):
     page.set_viewport_size({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
     server.post_json("/settings/Comfy.TutorialCompleted", True)  # no template browser on top
     reload(page)
-
-
-def reload(page):
-    """Reload the page, as a user presses F5. What happens while it starts is the fixture's
-    business (ComfyUI's own 404s for user.css and user data that does not exist yet): the
-    problems are watched from then on."""
-    page.reload()
-    page.wait_for_function(
-        extension_registered(
-            "KontextTrainer.TrainingPanel", "!!window.LiteGraph?.registered_node_types?.['KTTest_TinyCLIP']"
-        ),
-        timeout=60_000,
-    )
-    page.forget_problems()  # after the start-up requests (settings, user data, release notes)
-
-
-def open_workflow(page, to_ui_format, graph, name) -> str:
-    """Open `graph` in a new workflow tab with a fresh id; returns the id. The frontend restores
-    its start-up workflow asynchronously, which can replace a graph opened too early: open it
-    until it stays."""
-    workflow = {**to_ui_format(graph), "id": str(uuid.uuid4())}
-    for _ in range(10):
-        page.evaluate(OPEN_WORKFLOW, [workflow, name])
-        page.wait_for_timeout(500)
-        shown = page.evaluate(
-            "() => { const graph = window.comfyAPI.app.app.graph;"
-            " return [graph.id, !!graph.getNodeById(5)?.ktTrainingPanel]; }"
-        )
-        if shown == [workflow["id"], True]:
-            return workflow["id"]
-    raise AssertionError("the workflow did not stay on the canvas")
-
-
-def queue_from_page(page) -> str:
-    """Press Queue (the frontend sends the workflow, with its id); returns the run's prompt id."""
-    before = (page.evaluate(RUN_SHOWN, "5") or {}).get("prompt")
-    page.evaluate("async () => { await window.comfyAPI.app.app.queuePrompt(0, 1); }")
-    page.wait_for_function(
-        "(before) => (window.KontextTrainer.runShown('5')?.promptId ?? before) !== before",
-        arg=before,
-        timeout=60_000,
-    )
-    return page.evaluate(RUN_SHOWN, "5")["prompt"]
 
 
 def wait_until_finished(page, server, prompt_id, steps):

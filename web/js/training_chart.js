@@ -12,6 +12,9 @@ const MARKER = 2.5; // half the side of a validation point's square, in CSS pixe
 const LABEL = "#9a9aa2";
 const PAD = { left: 6, right: 6, top: 16, bottom: 14 }; // in CSS pixels, room for the labels
 const RESOLUTION = 2; // canvas pixels per CSS pixel: sharp when the graph canvas is zoomed in
+// The "no losses yet" line fills the empty chart: still about 10 screen pixels tall at the ~50 %
+// zoom a whole training workflow opens at (the axis labels, 10 px, matter only once it draws).
+const EMPTY_FONT = "22px sans-serif";
 
 function formatLoss(value) {
   return Math.abs(value) >= 1e-3 && Math.abs(value) < 1e4 ? value.toPrecision(3) : value.toExponential(1);
@@ -29,12 +32,15 @@ export function drawChart(canvas, losses, validation = []) {
   ctx.fillStyle = BACKGROUND;
   ctx.fillRect(0, 0, width, height);
   ctx.font = "10px sans-serif";
+  ctx.textBaseline = "alphabetic"; // the context keeps its state between draws
   ctx.fillStyle = LABEL;
   const heldOut = validationShown(validation, losses.length);
   const range = valueRange(losses, heldOut);
   if (losses.length < 2 || range === null) {
+    ctx.font = EMPTY_FONT;
     ctx.textAlign = "center";
-    ctx.fillText(losses.length ? "waiting for the second step" : "no losses yet", width / 2, height / 2 + 3);
+    ctx.textBaseline = "middle";
+    ctx.fillText(losses.length ? "waiting for the second step" : "no losses yet", width / 2, height / 2);
     return;
   }
   const plotWidth = width - PAD.left - PAD.right;

@@ -4,8 +4,10 @@
 // It follows the one training event (training_events.js) and ComfyUI's queue (a queued run
 // shows "queued" before it starts); after a page reload it redraws itself from
 // GET /kontext_trainer/progress. Runs are keyed by prompt id and node and shown only in their
-// own workflow (training_runs.js). Tests reach the state and the pure helpers through
-// window.KontextTrainer.
+// own workflow (training_runs.js). When a training prompt leaves the queue, the file lists on
+// the canvas are refreshed (combo_lists.js), so the checkpoint or LoRA it wrote is listed.
+// Tests reach the state and the pure helpers through window.KontextTrainer.
+import { refreshComboLists } from "./combo_lists.js";
 import { drawChart } from "./training_chart.js";
 import { PROGRESS_EVENT } from "./training_events.js";
 import { chartEnvelope, smoothLosses, validationShown, valueRange } from "./training_math.js";
@@ -75,6 +77,26 @@ function render(node) {
   drawChart(element.querySelector("canvas"), run?.losses ?? [], run?.validation ?? []);
   renderPreviews(field("previews"), p?.previews ?? []);
   field("no-previews").style.display = p?.previews?.length ? "none" : "flex";
+  renderNoPreviewsText(node);
+}
+
+// What the empty preview area says: with a PreviewSampler connected, when its previews come
+// (its every_n_steps, read from the canvas); without one, how to get previews.
+function noPreviewsText(node) {
+  const slot = (node.inputs ?? []).findIndex((input) => input.name === "preview");
+  if (slot < 0 || node.inputs[slot].link == null) {
+    return "previews appear here while it trains (connect a PreviewSampler)";
+  }
+  const every = node.getInputNode?.(slot)?.widgets?.find((w) => w.name === "every_n_steps")?.value;
+  const when = every ? `every ${count(every)} steps and at the end` : "while it trains and at the end";
+  const ended = ENDED.includes(runShown(node.id)?.status);
+  return `${ended ? "no previews in this run" : "no previews yet"}: the PreviewSampler samples ${when}`;
+}
+
+function renderNoPreviewsText(node) {
+  const element = node.ktTrainingPanel?.querySelector(".kt-no-previews");
+  const text = noPreviewsText(node);
+  if (element && element.textContent !== text) element.textContent = text;
 }
 
 function trainNodes() {
@@ -123,24 +145,33 @@ function onProgress(payload) {
   if (run.missing || run.validationStale || ENDED.includes(run.status)) fetchLosses(run).catch(() => {});
 }
 
-// Every TrainLoRA of a queued or running prompt (from any client) becomes a "queued" run.
+// Every TrainLoRA of a queued or running prompt (from any client) becomes a "queued" run. A
+// training prompt that left the queue has ended (finished, cancelled or failed) with its files
+// written: the file lists on the canvas are refreshed to show them.
 let queueRequests = 0;
 let queueAnswered = 0;
+let trainingPrompts = new Set();
 async function followQueue() {
   const request = ++queueRequests;
   const queue = await (await api.fetchApi("/queue")).json();
   if (request < queueAnswered) return; // a newer answer came first
   queueAnswered = request;
   const inQueue = new Set();
+  const training = new Set();
   for (const [, promptId, prompt, extra] of [...queue.queue_running, ...queue.queue_pending]) {
     inQueue.add(promptId);
     const workflowId = extra?.extra_pnginfo?.workflow?.id;
     for (const [nodeId, node] of Object.entries(prompt ?? {})) {
-      if (node.class_type === NODE_CLASS) store.addQueued(promptId, nodeId, workflowId, node.inputs?.lora_name);
+      if (node.class_type !== NODE_CLASS) continue;
+      store.addQueued(promptId, nodeId, workflowId, node.inputs?.lora_name);
+      training.add(promptId);
     }
   }
   store.dropQueuedExcept(inQueue);
   renderAll();
+  const ended = [...trainingPrompts].some((promptId) => !training.has(promptId));
+  trainingPrompts = training;
+  if (ended) await refreshComboLists();
 }
 
 function panelElement() {
@@ -160,8 +191,7 @@ function panelElement() {
     <canvas style="width:100%;height:96px;border-radius:4px"></canvas>
     <div class="kt-previews" style="display:none;gap:6px;overflow-x:auto;padding-bottom:2px"></div>
     <div class="kt-no-previews" style="height:150px;display:flex;align-items:center;justify-content:center;
-      border:1px dashed #444;border-radius:4px;color:#777;text-align:center;padding:0 12px">
-      previews appear here while it trains (connect a PreviewSampler)</div>
+      border:1px dashed #444;border-radius:4px;color:#777;text-align:center;padding:0 12px"></div>
     <div class="kt-message" style="white-space:pre-wrap;overflow-wrap:anywhere"></div>`;
   return element;
 }
@@ -204,8 +234,28 @@ app.registerExtension({
       hideOnZoom: false,
       getMinHeight: () => 360,
     });
-    node.setSize([Math.max(node.size[0], MIN_NODE_WIDTH), node.size[1]]); // a saved size wins later
+    // fit the panel in from the start (else the canvas grows the node while it draws it, and
+    // the first frame shows the panel below the node); a saved size wins later
+    node.setSize([Math.max(node.size[0], MIN_NODE_WIDTH), node.computeSize()[1]]);
+    // the placeholder follows the preview link and the PreviewSampler's every_n_steps as they
+    // change on the canvas (a text compare per frame drawn)
+    const onDrawForeground = node.onDrawForeground;
+    node.onDrawForeground = function () {
+      renderNoPreviewsText(this);
+      return onDrawForeground?.apply(this, arguments);
+    };
     // the node id and the workflow (graph id) are final once the graph has added the node
     setTimeout(() => render(node));
+    // the chart is drawn at its canvas's size: again once the frontend has laid the panel out
+    // (drawn before, at another width, the browser stretched it and squeezed its text)
+    const chart = node.ktTrainingPanel.querySelector("canvas");
+    let drawnAt = "";
+    new ResizeObserver(() => {
+      const size = `${chart.clientWidth}x${chart.clientHeight}`;
+      if (size !== drawnAt && chart.clientWidth > 0) {
+        drawnAt = size;
+        render(node);
+      }
+    }).observe(chart);
   },
 });
