@@ -324,39 +324,51 @@ def example_inputs(source: dict) -> tuple[list[str], list[str]]:
     return inputs, models
 
 
-@pytest.fixture(scope="module")
-def demo_files(server):
+def prepare_demo(base):
     """The demo's preparation (`scripts/demo.py`'s `prepare`, what `make demo` and `make ui` run
-    first), in its own process, into the server's base directory."""
+    first), in its own process, into the ComfyUI base directory `base`."""
     import os
     import subprocess
     import sys
 
-    code = f"import demo; from pathlib import Path; demo.prepare(Path({str(server.base_dir)!r}))"
+    code = f"import demo; from pathlib import Path; demo.prepare(Path({str(base)!r}))"
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT / "scripts")}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-3000:]
-    return server.base_dir
+    return base
+
+
+@pytest.fixture(scope="module")
+def demo_files(server):
+    """The demo's files in the server's base directory (to run an example on them)."""
+    return prepare_demo(server.base_dir)
+
+
+@pytest.fixture(scope="module")
+def demo_base(tmp_path_factory):
+    """The demo's files alone, in a base directory of their own: the shared server's holds
+    stand-ins of the real model files other tests put there."""
+    return prepare_demo(tmp_path_factory.mktemp("demo-base"))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.stem)
-def test_the_demo_makes_every_input_of_the_example(demo_files, path):
+def test_the_demo_makes_every_input_of_the_example(demo_base, path):
     """Every dataset folder and image the example reads is in input/ after the demo's
     preparation (the FLUX.2 examples' too); so is every model file, but for the examples that
     need real FLUX.2 or fp8 Kontext files; a LoRA comes from the training example that writes it."""
     inputs, models = example_inputs(api_source(path))
-    missing = [name for name in inputs if not (demo_files / "input" / name).exists()]
+    missing = [name for name in inputs if not (demo_base / "input" / name).exists()]
     assert not missing, f"{path.name} reads input/{missing}, which the demo does not make"
-    for folder in (name for name in inputs if (demo_files / "input" / name).is_dir()):
-        assert any((demo_files / "input" / folder).glob("*.txt")), f"input/{folder} holds no sample"
+    for folder in (name for name in inputs if (demo_base / "input" / name).is_dir()):
+        assert any((demo_base / "input" / folder).glob("*.txt")), f"input/{folder} holds no sample"
     trained = {
         f"loras/{node['inputs']['lora_name']}.safetensors"
         for other in WORKFLOWS
         for node in api_source(other).values()
         if node["class_type"] == TRAINER
     }
-    absent = [name for name in models if not (demo_files / "models" / name).is_file() and name not in trained]
+    absent = [name for name in models if not (demo_base / "models" / name).is_file() and name not in trained]
     if path.stem in NEEDS_REAL_MODELS:
         assert absent, f"{path.name} runs on the demo's files: take it out of NEEDS_REAL_MODELS"
     else:
