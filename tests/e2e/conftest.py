@@ -49,9 +49,10 @@ def chromium():
 TOASTS_JS = """() => [...document.querySelectorAll('.p-toast-message')]
     .filter((t) => t.offsetParent !== null).map((t) => t.innerText.trim())"""
 # Offline machines cannot resolve the hosts the frontend asks for release notes and node-registry
-# data; each such request logs this console error. It is dropped only while every unresolved
+# data, nor the two it probes to pick a download mirror (1.49's `isInChina`: google, then
+# baidu); each such request logs this console error. It is dropped only while every unresolved
 # request went to one of these hosts (any other unresolved host keeps it a problem).
-REGISTRY_HOSTS = {"api.comfy.org"}
+REGISTRY_HOSTS = {"api.comfy.org", "www.google.com", "www.baidu.com"}
 UNRESOLVED = "console error: Failed to load resource: net::ERR_NAME_NOT_RESOLVED"
 
 

@@ -183,7 +183,7 @@ def test_opening_the_template_shows_no_problem(comfy_page, server, path):
     card.click()
     wait_for_graph(comfy_page, json.loads(path.read_text()))
     assert fetched == [200]
-    assert not problems(comfy_page), problems(comfy_page)
+    assert not problems(comfy_page), (problems(comfy_page), comfy_page.unresolved_hosts)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
