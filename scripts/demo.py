@@ -69,8 +69,16 @@ def describe(event: dict) -> str:
     if event.get("validation_loss") is not None:
         parts.append(f"validation {event['validation_loss']:.4f} (step {event['validation_step']})")
     if event.get("seconds_per_step"):
-        parts.append(f"{event['seconds_per_step']:.1f} s/step, ETA {eta:.0f} s")
+        running = eta is not None and event["step"] < event["total"]
+        parts.append(f"{event['seconds_per_step']:.1f} s/step" + (f", ETA {eta:.0f} s" if running else ""))
     return "  ".join(parts)
+
+
+def printed_once(event: dict, last: tuple | None) -> tuple | None:
+    """The (status, step) to print for `event`, or None where that line is out already: a
+    preview or validation after a step sends the step again with a new ETA."""
+    key = (event["status"], event["step"])
+    return None if key == last else key
 
 
 def node_of(workflow: dict, class_type: str) -> str:
@@ -86,13 +94,15 @@ def run(server: ComfyServer, workflow: dict) -> tuple[str, str]:
     try:
         prompt_id = server.post_json("/prompt", {"prompt": workflow, "client_id": client_id})["prompt_id"]
         deadline = time.monotonic() + TIMEOUT_SECONDS
+        last = None
         while time.monotonic() < deadline:
             raw = ws.recv()
             if not isinstance(raw, str):
                 continue
             message = json.loads(raw)
             kind, data = message["type"], message.get("data", {})
-            if kind == PROGRESS_EVENT:
+            if kind == PROGRESS_EVENT and (key := printed_once(data, last)) is not None:
+                last = key
                 say(describe(data))
                 if data["status"] in ("finished", "failed", "cancelled") and data.get("message"):
                     say(f"TrainLoRA: {data['message']}")

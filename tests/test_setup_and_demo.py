@@ -264,3 +264,30 @@ def test_the_demo_says_its_image_is_noise_not_an_edit(monkeypatch, tmp_path, cap
     said = capsys.readouterr().out
     assert "edited" not in said
     assert "noise" in said and str(tmp_path / "output" / "kontext_lora_inference_00001_.png") in said
+
+
+def test_the_demo_prints_each_step_once_and_no_eta_once_done():
+    """Issue 33: the demo printed step 12 twice (the preview after it sends the step again with
+    a new ETA), and an ETA on the finished line."""
+    import demo
+
+    def event(status, step, eta):
+        return {
+            "status": status,
+            "step": step,
+            "total": 24,
+            "loss": 1.0,
+            "smoothed_loss": 1.0,
+            "seconds_per_step": 4.3,
+            "eta_seconds": eta,
+        }
+
+    events = [event("running", 12, 80), event("running", 12, 86), event("running", 13, 82)]
+    events += [event("running", 24, 25), event("finished", 24, 13)]
+    printed, last = [], None
+    for one in events:
+        if (key := demo.printed_once(one, last)) is not None:
+            last = key
+            printed.append(demo.describe(one))
+    assert [line.split()[2] for line in printed] == ["12/24", "13/24", "24/24", "24/24"], printed
+    assert "ETA" in printed[0] and "ETA" not in printed[-1] and "ETA" not in printed[-2], printed
