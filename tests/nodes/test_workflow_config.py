@@ -144,6 +144,8 @@ def test_ui_widget_values_follow_the_frontends_order_for_every_saved_node(comfy_
     for ui, api in PAIRS:
         twins = read(api)
         for node in read(ui)["nodes"]:
+            if node["type"] in ("Note", "MarkdownNote"):  # drawn by the frontend, never sent
+                continue
             expected = {k: v for k, v in twins[str(node["id"])]["inputs"].items() if not is_link(v)}
             cls = comfy_runtime.nodes.NODE_CLASS_MAPPINGS[node["type"]]
             assert wc.ui_widget_values(cls, node.get("widgets_values") or []) == expected, (
