@@ -9,8 +9,10 @@ made a copy of each mapped weight (`make_autograd_safe_`): the server's anonymou
 grew by more than the model's size while training (measured on ecd75f4: +1352 MiB for the
 1020 MiB demo Flux), and the copies stayed in the MODEL, which every flow here checks after
 its run. Now the training shares the mapped memory: the LoRA equals the plain server's bit
-for bit, and the growth stays below half the model (a single fp32 cast of the demo's largest
-layer on a CPU is a quarter of it; on a GPU the casts land in VRAM).
+for bit, and the growth stays well below the model's size: what a run needs on a CPU is the
+demo's largest layer cast to fp32 (a quarter of the model) and its activations (+341 to +375 MiB
+here; CI once measured +517 MiB), where a copy adds the whole model; on a GPU the casts land in
+VRAM.
 
 ComfyUI 0.3.75 has no dynamic VRAM: the module skips there."""
 
@@ -58,7 +60,8 @@ def servers(tmp_path_factory, stock_assets_files):
 
 
 @pytest.fixture(scope="module")
-def stock_assets_files():
+def stock_assets_files(comfy_runtime):
+    """The demo's files (cached outside git); checking a cached Flux's names imports ComfyUI."""
     import demo_assets
     from kt_testing.paths import asset_cache_dir
 
@@ -182,7 +185,11 @@ def test_the_demo_workflow_trains_on_the_mapped_weights_without_a_copy(servers):
     assert held["mapped"] == held["large"], held
     model = held["mapped_bytes"]
     print(f"\ndynamic VRAM, demo: anonymous memory +{growth >> 20} MiB for a {model >> 20} MiB model")
-    assert growth < 0.5 * model, f"anonymous memory grew {growth >> 20} MiB for a {model >> 20} MiB model"
+    print(f"peak seen in:\n{seen['peak_where']}")
+    assert growth < 0.75 * model, (
+        f"anonymous memory grew {growth >> 20} MiB for a {model >> 20} MiB model; peak seen in:\n"
+        f"{seen['peak_where']}"
+    )
     assert [p["step"] for p in progress_events(messages)[-1]["previews"]] == [2]
 
 

@@ -143,26 +143,56 @@ def anonymous_kib() -> int:
 
 class AnonymousPeak:
     """The highest RssAnon seen since the last `reset`, sampled every `interval` s by a daemon
-    thread (a short training run's peak is missed by a single reading at its end)."""
+    thread (a short training run's peak is missed by a single reading at its end), with where
+    the other threads were when it was seen (so that a failed bound says what held the memory)."""
 
     def __init__(self, interval: float = 0.02):
         self.interval, self.lock = interval, threading.Lock()
         self.base = self.peak = anonymous_kib()
+        self.where = ""
         threading.Thread(target=self._sample, daemon=True, name="kt-anon-peak").start()
 
     def _sample(self) -> None:
         while True:
             now = anonymous_kib()
             with self.lock:
-                self.peak = max(self.peak, now)
+                if now > self.peak:
+                    self.peak, self.where = now, busy_frames()
             time.sleep(self.interval)
 
     def reset(self) -> dict:
-        """The base and peak since the last reset (KiB), then start again from now."""
+        """The base and peak since the last reset (KiB) and where the peak was seen, then start
+        again from now."""
         with self.lock:
-            seen = {"base_kib": self.base, "peak_kib": max(self.peak, anonymous_kib())}
+            now = anonymous_kib()
+            if now > self.peak:
+                self.peak, self.where = now, "at the reading"
+            seen = {"base_kib": self.base, "peak_kib": self.peak, "peak_where": self.where}
             self.base = self.peak = anonymous_kib()
+            self.where = ""
         return seen
+
+
+def busy_frames(depth: int = 6) -> str:
+    """The innermost frames of this process's threads that are in ComfyUI's or the pack's code
+    (`file:line function`, innermost first), one line per thread."""
+    import sys
+    import traceback
+
+    me = threading.get_ident()
+    lines = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me:
+            continue
+        stack = traceback.extract_stack(frame)
+        frames = [f for f in stack if "site-packages" not in f.filename]
+        if not frames or stack[-1].name in ("wait", "select", "_worker", "run_forever", "_sample"):
+            continue
+        if frames[-1] is not stack[-1]:  # in a library (torch's checkpoint, autograd): name it
+            frames.append(stack[-1])
+        shown = [f"{Path(f.filename).name}:{f.lineno} {f.name}" for f in reversed(frames[-depth:])]
+        lines.append(" < ".join(shown))
+    return "\n".join(lines)
 
 
 def comfyui_has_dynamic_vram() -> bool:

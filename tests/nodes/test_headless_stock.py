@@ -35,7 +35,7 @@ def trainer_core(*args: str, timeout: float = 600) -> subprocess.CompletedProces
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory):
+def base(tmp_path_factory, comfy_runtime):  # checking the cached Flux's names imports ComfyUI
     """A ComfyUI base directory with the demo models in models/ and the demo dataset in input/."""
     base = tmp_path_factory.mktemp("stock-base")
     link_into_models(ensure_assets(asset_cache_dir()), base / "models")
