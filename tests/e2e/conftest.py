@@ -8,7 +8,7 @@ from urllib.parse import urlparse
 
 import pytest
 
-from kt_testing.frontend import extension_registered
+from kt_testing.frontend import extension_registered, ui_format_converter
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.server import ComfyServer
 
@@ -124,4 +124,12 @@ def comfy_page(chromium, server):
         timeout=60_000,
     )
     yield page
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def to_ui_format(chromium, server):
+    """Converts an API-format graph to the frontend's workflow format, in a page of its own."""
+    convert, page = ui_format_converter(chromium, server)
+    yield convert
     page.close()

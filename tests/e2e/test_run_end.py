@@ -1,7 +1,8 @@
 """When a training run ends, the page shows what it left, without a reload or `r`: after a
 Cancel, TrainLoRA's `resume_from` lists the checkpoint its message names; after a finished run,
 a stock LoraLoader on the canvas and TrainLoRA's `start_from_lora` list the new LoRA (the
-selected values stay). A deliberate Cancel never shows as a failed job."""
+selected values stay), and so does a LoraLoader added after the run. A deliberate Cancel never
+shows as a failed job."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import re
 import pytest
 
 from kt_testing.datasets import write_one_folder
-from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload, ui_format_converter
+from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload
 from kt_testing.graphs import training_graph
 
 CANCEL_STEPS = 40  # long enough on the tiny model that the Cancel lands while it trains
@@ -19,6 +20,11 @@ OPTIONS = """([node, widget]) => {
     const found = window.comfyAPI.app.app.graph.getNodeById(node)?.widgets?.find((w) => w.name === widget);
     return found ? {value: found.value, options: [...found.options.values]} : null;
 }"""
+
+ADD_LORA_LOADER = """(pos) => { const node = LiteGraph.createNode('LoraLoader');
+    node.pos = pos;
+    window.comfyAPI.app.app.graph.add(node);
+    return node.id; }"""
 
 # Every text the queue's notification banner (frontend 1.49) shows from now on.
 RECORD_BANNERS = """() => {
@@ -34,13 +40,6 @@ def dataset(server):
     return write_one_folder(
         server.base_dir / "input" / "kt_run_end_set", ["a", "b"], references=1, size=(64, 64)
     )
-
-
-@pytest.fixture(scope="module")
-def to_ui_format(chromium, server):
-    convert, page = ui_format_converter(chromium, server)
-    yield convert
-    page.close()
 
 
 def prepare(page, server):
@@ -86,13 +85,7 @@ def test_after_a_finished_run_a_lora_loader_lists_the_new_lora(comfy_page, serve
     prepare(comfy_page, server)
     open_workflow(comfy_page, to_ui_format, training_graph(dataset, "kt_listed_lora", steps=3), "listed.json")
     # a stock LoraLoader beside it, as a user adds one to try the LoRA once it is trained
-    loader = comfy_page.evaluate(
-        """() => { const app = window.comfyAPI.app.app;
-                   const node = LiteGraph.createNode('LoraLoader');
-                   node.pos = [0, 1200];
-                   app.graph.add(node);
-                   return node.id; }"""
-    )
+    loader = comfy_page.evaluate(ADD_LORA_LOADER, [0, 1200])
     before = comfy_page.evaluate(OPTIONS, [loader, "lora_name"])
     assert "kt_listed_lora.safetensors" not in before["options"]
 
@@ -106,6 +99,13 @@ def test_after_a_finished_run_a_lora_loader_lists_the_new_lora(comfy_page, serve
     assert comfy_page.evaluate(OPTIONS, [loader, "lora_name"])["value"] == before["value"]
     start = comfy_page.evaluate(OPTIONS, [5, "start_from_lora"])
     assert "kt_listed_lora.safetensors" in start["options"] and start["value"] == "none"
+    # a LoraLoader added after the run (the frontend builds it from the definitions the page
+    # loaded with) lists the LoRA too
+    later = comfy_page.evaluate(ADD_LORA_LOADER, [0, 1500])
+    comfy_page.wait_for_function(
+        f"() => ({OPTIONS})([{later}, 'lora_name']).options.includes('kt_listed_lora.safetensors')",
+        timeout=30_000,
+    )
     assert not comfy_page.ui_problems()
 
 

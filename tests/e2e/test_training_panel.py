@@ -14,7 +14,7 @@ from urllib.parse import parse_qs, urlparse
 import pytest
 
 from kt_testing.datasets import write_one_folder
-from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload, ui_format_converter
+from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload
 from kt_testing.graphs import training_graph
 from kt_testing.paths import REPO_ROOT
 
@@ -39,13 +39,6 @@ def dataset(server):
     return write_one_folder(
         server.base_dir / "input" / "kt_panel_set", ["a", "b"], references=1, size=(64, 64)
     )
-
-
-@pytest.fixture(scope="module")
-def to_ui_format(chromium, server):
-    convert, page = ui_format_converter(chromium, server)
-    yield convert
-    page.close()
 
 
 def prepare(page, server):

@@ -5,7 +5,9 @@
 // training prompt ends, the panel calls `refreshComboLists`: the definitions of the node classes
 // on the canvas that have combos come fresh from `GET /object_info/<class>`, and every such
 // combo takes its new list, the way the frontend's own refresh does, without its toasts. A
-// selected value stays selected.
+// selected value stays selected. A node created after that (added by the user, or from a workflow
+// opened later) would get the list the page loaded with: once a run has ended, each new node with
+// combos takes its class's current lists too (one request per class per run end).
 const { app } = window.comfyAPI.app;
 const { api } = window.comfyAPI.api;
 
@@ -28,19 +30,45 @@ async function definition(nodeClass) {
   return response.ok ? (await response.json())[nodeClass] : undefined;
 }
 
-export async function refreshComboLists() {
-  const combos = allNodes().filter((node) => node.widgets?.some((widget) => widget.type === "combo"));
-  const classes = [...new Set(combos.map((node) => node.comfyClass ?? node.type))];
-  const definitions = Object.fromEntries(
-    await Promise.all(classes.map(async (nodeClass) => [nodeClass, await definition(nodeClass)])),
-  );
-  for (const node of combos) {
-    const inputs = definitions[node.comfyClass ?? node.type]?.input ?? {};
-    for (const widget of node.widgets) {
-      if (widget.type !== "combo") continue;
-      const choices = choicesOf(inputs.required?.[widget.name] ?? inputs.optional?.[widget.name]);
-      if (choices) widget.options.values = choices; // the widget's value is left as it is
-    }
+// The definitions fetched since the last run ended, by node class (promises, shared by nodes).
+let current = null;
+
+function currentDefinition(nodeClass) {
+  if (!current.has(nodeClass)) current.set(nodeClass, definition(nodeClass));
+  return current.get(nodeClass);
+}
+
+function hasCombos(node) {
+  return node.widgets?.some((widget) => widget.type === "combo");
+}
+
+function giveLists(node, nodeDefinition) {
+  const inputs = nodeDefinition?.input ?? {};
+  for (const widget of node.widgets ?? []) {
+    if (widget.type !== "combo") continue;
+    const choices = choicesOf(inputs.required?.[widget.name] ?? inputs.optional?.[widget.name]);
+    if (choices) widget.options.values = choices; // the widget's value is left as it is
   }
+}
+
+export async function refreshComboLists() {
+  current = new Map();
+  const combos = allNodes().filter(hasCombos);
+  const classOf = (node) => node.comfyClass ?? node.type;
+  const definitions = await Promise.all(combos.map((node) => currentDefinition(classOf(node))));
+  combos.forEach((node, index) => giveLists(node, definitions[index]));
   app.graph?.setDirtyCanvas?.(true, true);
 }
+
+app.registerExtension({
+  name: "KontextTrainer.ComboLists",
+  nodeCreated(node) {
+    if (current === null || !hasCombos(node)) return; // no run ended: the page's lists are current
+    currentDefinition(node.comfyClass ?? node.type)
+      .then((nodeDefinition) => {
+        giveLists(node, nodeDefinition);
+        app.graph?.setDirtyCanvas?.(true, true);
+      })
+      .catch(() => {}); // the server is unreachable: the node keeps the page's lists
+  },
+});
