@@ -174,8 +174,9 @@ class AnonymousPeak:
 
 
 def busy_frames(depth: int = 6) -> str:
-    """The innermost frames of this process's threads that are in ComfyUI's or the pack's code
-    (`file:line function`, innermost first), one line per thread."""
+    """Where each busy thread of this process is: its innermost frames in ComfyUI's or the
+    pack's code, after the library function it is in if any (`file:line function`, innermost
+    first), one line per thread."""
     import sys
     import traceback
 

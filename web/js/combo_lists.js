@@ -38,6 +38,10 @@ function currentDefinition(nodeClass) {
   return current.get(nodeClass);
 }
 
+function classOf(node) {
+  return node.comfyClass ?? node.type;
+}
+
 function hasCombos(node) {
   return node.widgets?.some((widget) => widget.type === "combo");
 }
@@ -54,7 +58,6 @@ function giveLists(node, nodeDefinition) {
 export async function refreshComboLists() {
   current = new Map();
   const combos = allNodes().filter(hasCombos);
-  const classOf = (node) => node.comfyClass ?? node.type;
   const definitions = await Promise.all(combos.map((node) => currentDefinition(classOf(node))));
   combos.forEach((node, index) => giveLists(node, definitions[index]));
   app.graph?.setDirtyCanvas?.(true, true);
@@ -64,7 +67,7 @@ app.registerExtension({
   name: "KontextTrainer.ComboLists",
   nodeCreated(node) {
     if (current === null || !hasCombos(node)) return; // no run ended: the page's lists are current
-    currentDefinition(node.comfyClass ?? node.type)
+    currentDefinition(classOf(node))
       .then((nodeDefinition) => {
         giveLists(node, nodeDefinition);
         app.graph?.setDirtyCanvas?.(true, true);
