@@ -54,8 +54,13 @@ def boot(base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True)
 
 
 def wants_cuda(force_cpu: bool) -> bool:
+    """Whether to train on the GPU. Before torch is first imported, ComfyUI's `cuda_malloc` picks
+    the allocator, as `main.py` does: PyTorch reads PYTORCH_CUDA_ALLOC_CONF when it is imported
+    and again when CUDA starts, and refuses to start CUDA when the two differ (torch 2.11:
+    "Allocator backend parsed at runtime != allocator backend parsed at load time")."""
     if force_cpu:
         return False
+    comfy_boot.choose_allocator(comfyui_root())
     import torch
 
     return torch.cuda.is_available()

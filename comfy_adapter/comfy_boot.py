@@ -29,6 +29,8 @@ def boot(
         starts, and on a ComfyUI with dynamic VRAM (0.33) comfy-aimdo is set up as `main.py` sets it
         up, unless `dynamic_vram` is False (the CLI's --disable-dynamic-vram). The mode chosen, and
         why, is printed (`loading_mode`)."""
+    if use_cuda:
+        choose_allocator(root)
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     import torch
@@ -43,7 +45,6 @@ def boot(
         args.disable_dynamic_vram = True
     aimdo = None
     if use_cuda:
-        importlib.import_module("cuda_malloc")  # ComfyUI's allocator choice, before CUDA starts
         if has_dynamic_vram and _enables_dynamic_vram():
             aimdo = _init_aimdo(args)  # before comfy imports aimdo's submodules, as main.py
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # torchrun: this process's GPU
@@ -60,6 +61,19 @@ def boot(
     print(f"[kontext-trainer] {loading_mode(use_cuda, has_dynamic_vram, dynamic_vram, on)}", flush=True)
     start_pack(pack)
     return pack
+
+
+def choose_allocator(root: Path) -> None:
+    """ComfyUI's `cuda_malloc` (at `root`): the allocator `main.py` would choose
+    (cudaMallocAsync on most NVIDIA setups), written to PYTORCH_CUDA_ALLOC_CONF. It must run
+    before torch is imported: PyTorch reads that variable at import and again when CUDA starts,
+    and a process whose two readings differ cannot start CUDA. Where torch is already imported
+    (the CLI called from Python), the variable is left as torch read it: PyTorch's allocator."""
+    if "cuda_malloc" in sys.modules or "torch" in sys.modules:
+        return
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    importlib.import_module("cuda_malloc")  # imports comfy.cli_args, not torch
 
 
 def loading_mode(use_cuda: bool, has_dynamic_vram: bool, wanted: bool, on: bool) -> str:

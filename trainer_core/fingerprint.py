@@ -16,9 +16,15 @@ SAMPLED_VALUES = 64
 
 
 def sampled_values(tensor: torch.Tensor) -> bytes:
-    """At most 64 values, evenly strided over the flattened tensor, as float32 bytes."""
+    """At most 64 values, evenly strided over the flattened tensor, as float32 bytes. A tensor on
+    `meta` has no values: it counts as zeros, what ComfyUI computes with. (ComfyUI 0.33 with
+    dynamic VRAM builds its layers on `meta` and loads the file's weights into them; a weight the
+    file lacks, e.g. the text projection many CLIP-L files leave out, stays on `meta` until its
+    first forward makes it zeros: `comfy.ops.materialize_meta_param`.)"""
     flat = tensor.detach().reshape(-1)
     step = max(1, flat.numel() // SAMPLED_VALUES)
+    if flat.device.type == "meta":
+        return torch.zeros(len(range(0, flat.numel(), step)[:SAMPLED_VALUES])).numpy().tobytes()
     return flat[::step][:SAMPLED_VALUES].float().cpu().numpy().tobytes()
 
 

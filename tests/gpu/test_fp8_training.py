@@ -84,8 +84,12 @@ def test_fp8_base_weights_train_on_the_gpu_as_on_the_cpu(gpu, mods):
 
 def test_fp8_scaled_on_the_gpu_follows_full_precision_and_restores_the_model(gpu, mods):
     """fp8_scaled on a bf16 model: block attention / MLP weights e4m3 on the GPU, modulation as
-    loaded; the output and eight steps follow the fp32 model on the CPU; afterwards the MODEL
-    has the same Parameter objects and the same output as before."""
+    loaded; the output and eight steps follow the fp32 model on the CPU; afterwards the scaled
+    layers hold their original Parameter objects, every weight its values, and the MODEL gives
+    the same output as before. (Other Parameters may be new objects over the same values: the
+    GPU move made under inference mode leaves tensors with no version counter, which
+    `make_autograd_safe_` replaces as ComfyUI's weight patching does; the first H200 run saw
+    that, the CPU dry run cannot, where nothing moves.)"""
     import torch
 
     from kt_testing.probes import tiny_samples
@@ -98,6 +102,7 @@ def test_fp8_scaled_on_the_gpu_follows_full_precision_and_restores_the_model(gpu
 
     model = tiny_flux_patcher(seed=1, dtype=torch.bfloat16)
     before, parameters = model_output(model), dict(model.model.diffusion_model.named_parameters())
+    values = {name: parameter.detach().cpu().clone() for name, parameter in parameters.items()}
     with mods.ft.lora_session(model, config) as session:
         names = ("double_blocks.0.img_attn.qkv", "single_blocks.1.linear2", "double_blocks.0.img_mod.lin")
         layers = [session.diffusion_model.get_submodule(n) for n in names]
@@ -123,7 +128,11 @@ def test_fp8_scaled_on_the_gpu_follows_full_precision_and_restores_the_model(gpu
     assert 0 < output_error <= FP8_SCALED_OUTPUT
     assert loss_error <= FP8_LOSSES
     after = dict(model.model.diffusion_model.named_parameters())
-    assert all(after[name] is parameter for name, parameter in parameters.items())
+    scaled = [f"{name}.weight" for name in names[:2]]
+    assert all(after[name] is parameters[name] for name in scaled)
+    renewed = sorted(name for name in parameters if after[name] is not parameters[name])
+    print(f"Parameters renewed over the same values: {len(renewed)} of {len(parameters)}")
+    assert all(torch.equal(after[name].detach().cpu(), value) for name, value in values.items())
     assert torch.equal(model_output(model), before)
 
 
@@ -131,9 +140,14 @@ WIDE = {"hidden_size": 1024, "num_heads": 8, "axes_dim": [16, 56, 56]}  # head d
 
 
 def test_fp8_scaled_never_puts_the_bf16_block_weights_on_the_gpu(cuda_only, mods):
-    """From a MODEL not yet on the GPU, the GPU's peak while a fp8_scaled session starts is below
-    the bf16 weights minus a third of the scaled layers' bf16 bytes (e4m3 halves them): the
-    block attention / MLP weights reach the GPU only as e4m3."""
+    """From a MODEL not yet on the GPU, what the GPU holds once a fp8_scaled session has started
+    is below the bf16 weights minus a third of the scaled layers' bf16 bytes (e4m3 halves them),
+    and its peak meanwhile is below the bf16 weights: the block attention / MLP weights reach the
+    GPU only as e4m3, one layer at a time. H200, first run: bf16 weights 215.6 MiB (scaled
+    layers 144.0), resident 151.3 MiB (bound 165.2), peak 182.1 MiB: the resident weights plus
+    the start's guard forward, which casts the largest layer (linear1, 1024 x 7168) to bf16 and
+    scales it in float32 (~28 MiB). The regression, bf16 block weights on the GPU, holds all
+    215.6 MiB at once, so its resident and its peak both exceed their bounds."""
     import torch
 
     from kt_testing.tiny_models import tiny_flux_patcher
@@ -158,4 +172,4 @@ def test_fp8_scaled_never_puts_the_bf16_block_weights_on_the_gpu(cuda_only, mods
         f"{scaled_bytes / mib:.1f}); GPU resident {resident / mib:.1f} MiB, peak {peak / mib:.1f} MiB, "
         f"bound {bound / mib:.1f} MiB"
     )
-    assert resident <= bound and peak <= bound
+    assert resident <= bound and peak < bf16_bytes

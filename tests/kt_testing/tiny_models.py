@@ -83,8 +83,15 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
 
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for name, param in module.named_parameters():
-            param.copy_(seeded_values(name, param.shape, gen).to(param.dtype))
+        for name, param in list(module.named_parameters()):
+            values = seeded_values(name, param.shape, gen).to(param.dtype)
+            if param.device.type == "meta":  # ComfyUI 0.33 under dynamic VRAM builds layers on
+                # meta and assigns the file's tensors when it loads them: do as its loader does
+                owner, _, attribute = name.rpartition(".")
+                new = torch.nn.Parameter(values, requires_grad=param.requires_grad)
+                setattr(module.get_submodule(owner) if owner else module, attribute, new)
+            else:
+                param.copy_(values)
     return module
 
 

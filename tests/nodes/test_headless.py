@@ -14,6 +14,7 @@ import dataclasses
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -24,6 +25,7 @@ from kt_testing.executor import InGraph, run_node
 from kt_testing.headless import (
     DATASET,
     PROGRESS,
+    TINY_COMMAND,
     TRAIN,
     checkpoints,
     command,
@@ -372,3 +374,37 @@ def test_a_log_gets_one_line_per_step(comfy_runtime):
     printer(dataclasses.replace(base, step=13, seconds_per_step=1.0, eta_seconds=19.0))
     lines = stream.getvalue().splitlines()
     assert [line.split()[1] for line in lines] == ["12/24", "13/24"], lines
+
+
+def test_comfyuis_allocator_choice_comes_before_torch(tmp_path):
+    """On a GPU the command lets ComfyUI's `cuda_malloc` write PYTORCH_CUDA_ALLOC_CONF before torch
+    is first imported, as `main.py` does: PyTorch reads the variable at import and again when CUDA
+    starts, and refuses to start CUDA when they differ (the first H200 run of tests/gpu: "Allocator
+    backend parsed at runtime != allocator backend parsed at load time, cudaMallocAsync != native").
+    Without --cpu the command takes the GPU path's order on any machine; a finder first on
+    `sys.meta_path` records each module the first time it is looked for."""
+    missing = tmp_path / "missing.toml"
+    recorder = (
+        "import runpy, sys\n"
+        "class Order:\n"
+        "    seen = []\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        Order.seen.append(name)\n"
+        "sys.meta_path.insert(0, Order())\n"
+        "sys.argv = sys.argv[1:]\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "finally:\n"
+        "    first = [n for n in Order.seen if n in ('torch', 'cuda_malloc')]\n"
+        "    print('ORDER', ' '.join(first), file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", recorder, str(TINY_COMMAND), "train", "--config", str(missing)],
+        capture_output=True,
+        text=True,
+        env=environment(),
+        timeout=120,
+    )
+    assert result.returncode != 0 and str(missing) in result.stderr, result.stderr[-2000:]
+    order = result.stderr.rsplit("ORDER", 1)[-1].split()
+    assert order[:2] == ["cuda_malloc", "torch"], f"first imports, in order: {order}"

@@ -136,3 +136,16 @@ def test_feed_structure_feeds_the_given_digest():
     expected.update(b"1")
     expected.update(b"'a'")
     assert digest.hexdigest() == expected.hexdigest()
+
+
+def test_a_weight_on_meta_counts_as_the_zeros_comfyui_computes_with():
+    """ComfyUI 0.33 under dynamic VRAM leaves a weight its file lacks on `meta` (values made
+    zeros at first use); the first H200 run of the command stopped on it ("Cannot copy out of
+    meta tensor"). Its fingerprint is that of the zeros, whatever the shape's stride."""
+    for shape in [(3,), (7, 5), (1000, 77)]:
+        meta = torch.empty(shape, dtype=torch.bfloat16, device="meta")
+        zeros = torch.zeros(shape, dtype=torch.bfloat16)
+        assert sampled_values(meta) == sampled_values(zeros)
+        assert weights_identity([("w", meta)]) == weights_identity([("w", zeros)])
+    ones = weights_identity([("w", torch.ones(4, 4))])
+    assert weights_identity([("w", torch.empty(4, 4, device="meta"))]) != ones
