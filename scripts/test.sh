@@ -3,17 +3,21 @@
 # layers that use ComfyUI (nodes, e2e, the GPU layer's skips) again on ComfyUI 0.33 where set-up
 # unpacked it (.comfyui-0.33/). Extra arguments go to both pytest runs, e.g.
 # `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
+# `--quick` first (make test-quick): lint, trainer_core and the node layer without the
+# stock-size models, on ComfyUI 0.3.75 only; the loop for daily work, not a substitute for CI.
+# Every run prints its 25 slowest tests (--durations).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 .venv/bin/ruff check . || exit 1
+DURATIONS=(--durations=25 --durations-min=1)
 
 run_pytest() {  # label, then pytest arguments
     local label="$1" start=$SECONDS status
     shift
     echo "[test] ComfyUI $label"
-    .venv/bin/python -m pytest "$@"
+    .venv/bin/python -m pytest "${DURATIONS[@]}" "$@"
     status=$?
     echo "[test] ComfyUI $label: pytest finished in $((SECONDS - start)) s with exit code $status"
     if [[ $status -eq 5 ]]; then
@@ -22,6 +26,12 @@ run_pytest() {  # label, then pytest arguments
     fi
     return $status
 }
+
+if [[ "${1:-}" == "--quick" ]]; then
+    shift
+    run_pytest "0.3.75, quick" tests/test_layers.py tests/trainer_core tests/nodes -m "not slow" "$@"
+    exit $?
+fi
 
 if [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]]; then
     run_pytest "at $KONTEXT_TRAINER_COMFYUI" "$@"
