@@ -26,9 +26,11 @@ A layer that does not cast (a full load of a plain Linear) hands autograd its ow
 which nothing reuses: it runs as before, at no cost.
 
 A recompute reads the layer's input as it is at backward time; an in-place change to it in
-between would go unseen by autograd (checkpoint does not version-check its inputs), so the
-recompute checks the version itself and raises autograd's own words ("modified by an inplace
-operation"), which `forward_guard.check_training_backward` reports.
+between would go unseen by autograd inside a checkpointed block (the block's checkpoint packs
+what the layer's saves, and nothing saved that way is version-checked; at the top level
+autograd checks the input the layer's checkpoint saves), so the recompute checks the version
+itself and raises autograd's own words ("modified by an inplace operation"), which
+`forward_guard.check_training_backward` reports.
 """
 
 from __future__ import annotations
