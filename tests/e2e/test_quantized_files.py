@@ -5,7 +5,11 @@ form of `flux1-dev-kontext_fp8_scaled`, fp8mixed's `_quantization_metadata`, and
 per-layer `comfy_quant`; kt_testing/quantized_files.py).
 
 On 70adb75 this failed with "no layers to train" on 0.33 (every form) and on 0.3.75 (fp8mixed).
-Run on a server that also replays 0.33's reused cast memory (kt_testing/cast_replay.py)."""
+Run on a server that also replays 0.33's reused cast memory (kt_testing/cast_replay.py), and each
+run shows which casts it replayed: on 0.33 the quantized layers' own (a quantized weight's dtype
+is the compute dtype, so its cast hands out the weight itself, as in a vbar page on a GPU); on
+0.3.75, which dequantizes every quantized cast into fresh memory (on a GPU too), the plain layers'
+casts, the quantized ones counted as fresh."""
 
 from __future__ import annotations
 
@@ -38,6 +42,14 @@ def served(tmp_path_factory, stock_assets):
         yield running
 
 
+def replay_counts(server) -> dict[str, int]:
+    """The server's cast replay counts so far (`kt_testing.cast_replay.REPLAYED`)."""
+    _, messages = server.run_prompt({"1": {"class_type": "KTTest_CastReplayCount", "inputs": {"nonce": 0}}})
+    assert messages[-1]["type"] == "execution_success"
+    outputs = server.history(messages[-1]["data"]["prompt_id"])["outputs"]["1"]
+    return {key: value[0] for key, value in outputs.items()}
+
+
 def sha256_of(path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as handle:
@@ -55,7 +67,7 @@ def legacy_hash_of(path) -> str:
 
 @pytest.mark.parametrize("form", FORMS)
 def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, form):
-    from kt_testing.quantized_files import forms_this_comfyui_loads
+    from kt_testing.quantized_files import comfy_reads_comfy_quant, forms_this_comfyui_loads
 
     if form not in forms_this_comfyui_loads():
         pytest.skip(f"this ComfyUI does not read the {form} form (0.33 does)")
@@ -68,8 +80,16 @@ def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, f
     )
     workflow["1"]["inputs"]["unet_name"] = name
     workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name=f"kt_quantized_{form}")
+    before = replay_counts(served)
     prompt_id, messages = served.run_prompt(workflow, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+    replayed = {key: count - before[key] for key, count in replay_counts(served).items()}
+    print(f"\n{form}: cast replay during the run {replayed}")
+    if comfy_reads_comfy_quant():  # 0.33: the quantized layers' casts were handed out in reused memory
+        assert replayed["quantized_casts"] > 0 and replayed["quantized_marked"] > 0, replayed
+    else:  # 0.3.75: they were fresh; the plain layers' (none in its fp8 nn.Linear scaled_fp8 form) replayed
+        assert replayed["quantized_casts"] == 0 and replayed["fresh_casts"] > 0, replayed
+        assert (replayed["casts"] > 0) == (form != "scaled_fp8"), replayed
     result = served.history(prompt_id)["outputs"]["5"]
     assert len(result["loss"]) == 2 and all(math.isfinite(x) for x in result["loss"])
     assert [p["step"] for p in progress_events(messages)[-1]["previews"]] == [2]

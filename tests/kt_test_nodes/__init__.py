@@ -253,7 +253,8 @@ AnonymousMemory = _report_node(
 
 
 class CastReplayCount:
-    """How many casts this server's replay handed out in reused memory so far (UI output)."""
+    """This server's cast replay counts so far (`kt_testing.cast_replay.REPLAYED`, UI output): casts
+    handed out in reused memory, layers marked, and of them quantized."""
 
     CATEGORY = "kontext trainer tests"
     RETURN_TYPES = ()
@@ -269,7 +270,7 @@ class CastReplayCount:
         return float("nan")  # always runs
 
     def count(self, nonce):
-        return {"ui": {"casts": [REPLAYED["casts"]], "marked": [REPLAYED["marked"]]}}
+        return {"ui": {key: [value] for key, value in REPLAYED.items()}}
 
 
 class LatentDigest:

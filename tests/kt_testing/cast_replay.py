@@ -20,7 +20,11 @@ clones). `replay(kind)` makes a CPU process do it:
   way: the next cast overwrites the memory and nothing notices); `"stream"` returns a view of
   one base tensor filled with `copy_` (the version bumps, as with the stream buffers).
 
-`REPLAYED["casts"]` counts the casts handed out that way, so a test shows the replay engaged.
+`REPLAYED` counts, so a test shows the replay engaged and on which weights: `"casts"` handed out
+that way (`"quantized_casts"` of them quantized weights), layers `"marked"` (`"quantized_marked"`),
+and `"fresh_casts"` of marked layers left as ComfyUI made them (a dtype-converting cast, e.g.
+0.3.75's dequantizing cast of a quantized weight, or a weight function: fresh memory on a GPU too,
+so not replayed).
 `CAST_REPLAY_ENV` (`KT_TEST_CAST_REPLAY=dynamic|stream`) turns it on in a test server (the test
 node pack calls `replay`).
 """
@@ -35,7 +39,7 @@ import torch
 
 CAST_REPLAY_ENV = "KT_TEST_CAST_REPLAY"
 DYNAMIC_MODULE_BYTES = 16 * 1024  # ModelPatcherDynamic streams modules over 16 KiB
-REPLAYED = {"casts": 0, "marked": 0}
+REPLAYED = {"casts": 0, "marked": 0, "quantized_casts": 0, "quantized_marked": 0, "fresh_casts": 0}
 REPLAY_MARK = "kt test: cast memory reused"  # logged once per process, at the first replayed cast
 _KEY = "kt_test_cast_replay"
 
@@ -91,6 +95,7 @@ def _mark_dynamic(memory: ReusedMemory, patcher, *args) -> None:
             module.kt_cast_replayed = True
             memory.reserve(nbytes)
             REPLAYED["marked"] += 1
+            REPLAYED["quantized_marked"] += stored is not weight
 
 
 def _in_reused_memory(memory: ReusedMemory, weight: torch.Tensor) -> torch.Tensor:
@@ -109,12 +114,16 @@ def _replaying(original, memory: ReusedMemory):
     def cast_bias_weight(s, *args, **kwargs):
         result = original(s, *args, **kwargs)
         weight = result[0]
-        if getattr(s, "kt_cast_replayed", False) and weight is s.weight:
-            if REPLAYED["casts"] == 0:
-                logging.getLogger(__name__).warning("%s (%s)", REPLAY_MARK, memory.kind)
-            REPLAYED["casts"] += 1
-            return (_in_reused_memory(memory, weight), *result[1:])
-        return result
+        if not getattr(s, "kt_cast_replayed", False):
+            return result
+        if weight is not s.weight:  # converted or patched: fresh memory on a GPU as well
+            REPLAYED["fresh_casts"] += 1
+            return result
+        if REPLAYED["casts"] == 0:
+            logging.getLogger(__name__).warning("%s (%s)", REPLAY_MARK, memory.kind)
+        REPLAYED["casts"] += 1
+        REPLAYED["quantized_casts"] += hasattr(weight, "_qdata")
+        return (_in_reused_memory(memory, weight), *result[1:])
 
     cast_bias_weight._kt_cast_replay = True
     return cast_bias_weight

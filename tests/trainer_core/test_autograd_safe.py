@@ -5,6 +5,10 @@ still the same objects."""
 
 from __future__ import annotations
 
+import mmap
+import warnings
+
+import numpy
 import pytest
 import torch
 
@@ -130,28 +134,47 @@ def test_weights_moved_inside_inference_mode_are_plain_inference_tensors():
     input_gradient(module)
 
 
-def test_shared_memory_makes_no_copy_and_keeps_the_tensors_attributes():
+def read_only_mapping(tmp_path, values: torch.Tensor) -> mmap.mmap:
+    """The bytes of `values` in a file, mapped read-only (ACCESS_READ: pages without write
+    permission), as ComfyUI 0.33 maps a model file: a write into it is a segmentation fault."""
+    path = tmp_path / "weights.bin"
+    path.write_bytes(values.numpy().tobytes())
+    with open(path, "rb") as handle:
+        return mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+
+
+def test_shared_memory_makes_no_copy_and_keeps_the_tensors_attributes(tmp_path):
     """The frozen base of a LoRA under ComfyUI 0.33's dynamic VRAM: read-only memory-mapped
     inference weights. `share_memory=True` gives autograd-usable tensors over the same memory:
-    no value is copied or written, and gradients still flow through the frozen layers."""
+    no value is copied or written, and gradients still flow through the frozen layers.
+
+    The pages are mapped without write permission, so a write through the shared copy (or by
+    anything the swap runs) kills the test process with a segmentation fault: the test cannot
+    pass if the shared copy writes. A copy instead of sharing fails the address checks."""
     torch.manual_seed(0)
     values = torch.randn(3, 4)
-    with torch.inference_mode():  # as the loader builds them: frombuffer over read-only bytes
-        mapped = torch.frombuffer(bytearray(values.numpy().tobytes()), dtype=torch.float32).view(3, 4)
-        module = torch.nn.Linear(4, 3, bias=False)
-        module.weight = torch.nn.Parameter(mapped, requires_grad=False)
+    mapping = read_only_mapping(tmp_path, values)
+    with warnings.catch_warnings():  # torch warns that it cannot mark the tensor read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        with torch.inference_mode():  # as the loader builds them: frombuffer over the mapped file
+            mapped = torch.frombuffer(mapping, dtype=torch.float32).view(3, 4)
+            module = torch.nn.Linear(4, 3, bias=False)
+            module.weight = torch.nn.Parameter(mapped, requires_grad=False)
+    file_address = numpy.frombuffer(mapping, dtype=numpy.uint8).ctypes.data
+    assert mapped.data_ptr() == file_address  # the weight is the file's pages, not a copy
     module.weight._model_dtype = torch.bfloat16  # ComfyUI 0.33 tags weights it streams
     original = module.weight
     frozen = []
     assert make_autograd_safe_(module, frozen, share_memory=True) == 1
     shared = module.weight
     assert shared is not original and not shared.is_inference() and isinstance(shared, torch.nn.Parameter)
-    assert shared.data_ptr() == original.data_ptr()  # the same memory: nothing copied
+    assert shared.data_ptr() == file_address  # the same memory, still the file's: nothing copied
     assert torch.equal(shared, values) and shared._model_dtype == torch.bfloat16
     assert frozen == [(module._parameters, "weight", original, shared)]
     x = torch.randn(5, 4, requires_grad=True)
     module(x).sum().backward()
     assert torch.allclose(x.grad, values.sum(0).expand(5, 4))
+    assert mapping[:] == values.numpy().tobytes()  # the file's bytes as written
 
     copied = loaded_under_inference_mode()  # the default still copies (free to train in place)
     pointers = [p.data_ptr() for p in copied.parameters()]
