@@ -2,9 +2,12 @@
 (kt_testing/dynamic_vram.py): the stock UNETLoader builds `ModelPatcherDynamic` and assigns
 the file's read-only memory-mapped weights, as inference Parameters, without a copy.
 
-Every flow runs the demo's stock-size Flux (1 GiB of bf16 weights) through a real server with
-dynamic VRAM emulated and through a plain one, and each test first shows that the dynamic
-server's MODEL holds mapped inference weights. On 70adb75 (and up to ecd75f4) every run
+Every flow runs through a real server with dynamic VRAM emulated and through a plain one, and
+each shows that the dynamic server's MODEL holds mapped inference weights. The flows about
+memory (the demo's, fp8_scaled's) and Cancel then resume run the demo's stock-size Flux (1 GiB
+of bf16 weights); the others (checkpointing, a stock LoRA, sampling, block swap) the same Flux
+at 1/12 of its width (`demo_assets.NARROW_FLUX_CONFIG`, through the same stock UNETLoader,
+whose 0.33 detection reads the width), where a step costs a tenth. On 70adb75 (and up to ecd75f4) every run
 made a copy of each mapped weight (`make_autograd_safe_`): the server's anonymous memory
 grew by more than the model's size while training (measured on ecd75f4: +1352 MiB for the
 1020 MiB demo Flux), and the copies stayed in the MODEL, which every flow here checks after
@@ -38,6 +41,7 @@ pytestmark = [
 ]
 
 EXAMPLE = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
+NARROW = "kt-narrow-flux.safetensors"  # the narrow demo Flux, in each server's diffusion_models/
 PROBES = itertools.count(1)
 MODEL_BYTES_FLOOR = 1_000_000_000  # the demo Flux's mapped block weights (about 1.07 GB)
 
@@ -52,8 +56,10 @@ def servers(tmp_path_factory, stock_assets_files):
         ComfyServer(plain_base, extra_packs=TEST_NODE_PACKS) as plain,
         ComfyServer(dynamic_base, extra_packs=TEST_NODE_PACKS, env=server_env()) as dynamic,
     ):
+        narrow = demo_assets.write_narrow_flux(tmp_path_factory.mktemp("narrow") / NARROW)
         for server in (plain, dynamic):
             demo_assets.link_into_models(stock_assets_files, server.base_dir / "models")
+            (server.base_dir / "models" / "diffusion_models" / NARROW).symlink_to(narrow)
             demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
         assert EMULATION_MARK in dynamic.log() and EMULATION_MARK not in plain.log()
         yield plain, dynamic
@@ -68,9 +74,12 @@ def stock_assets_files(comfy_runtime):
     return demo_assets.ensure_assets(asset_cache_dir())
 
 
-def demo_workflow(lora_name: str, steps: int = 2, **settings) -> dict:
-    """The shipped example, cut to `steps` steps, the preview at every 2nd step, no snapshots."""
+def demo_workflow(lora_name: str, steps: int = 2, narrow: bool = False, **settings) -> dict:
+    """The shipped example, cut to `steps` steps, the preview at every 2nd step, no snapshots;
+    `narrow`: on the narrow demo Flux."""
     workflow = json.loads(EXAMPLE.read_text())
+    if narrow:
+        workflow["1"]["inputs"]["unet_name"] = NARROW
     workflow["5"]["inputs"].update({"steps": steps, "save_every": 0, "lora_name": lora_name, **settings})
     workflow["10"]["inputs"]["every_n_steps"] = 2
     return workflow
@@ -194,13 +203,13 @@ def test_the_demo_workflow_trains_on_the_mapped_weights_without_a_copy(servers):
 
 
 def test_gradient_checkpointing(servers):
-    on_both(servers, demo_workflow("kt_dyn_checkpointed", gradient_checkpointing=True))
+    on_both(servers, demo_workflow("kt_dyn_checkpointed", narrow=True, gradient_checkpointing=True))
 
 
 def test_a_stock_lora_before_train_lora(servers):
     for server in servers:  # the same stock LoRA file on both
-        trained(server, demo_workflow("kt_dyn_base", seed=5))
-    graph = demo_workflow("kt_dyn_on_lora", seed=5)
+        trained(server, demo_workflow("kt_dyn_base", narrow=True, seed=5))
+    graph = demo_workflow("kt_dyn_on_lora", narrow=True, seed=5)
     graph["20"] = {
         "class_type": "LoraLoaderModelOnly",
         "inputs": {"model": ["1", 0], "lora_name": "kt_dyn_base.safetensors", "strength_model": 1.0},
@@ -225,7 +234,7 @@ def test_sampling_after_a_run_on_an_earlier_sampled_model(servers):
     latent as before the run, and as the plain server's."""
     from kt_testing.graphs import ksampler_inputs
 
-    graph = demo_workflow("kt_dyn_sampled", seed=3)
+    graph = demo_workflow("kt_dyn_sampled", narrow=True, seed=3)
     sampling = {
         "1": graph["1"],
         "3": graph["3"],
@@ -254,7 +263,8 @@ def first_message(messages) -> str:
 def test_block_swap_is_stated_not_done(servers):
     """Dynamic VRAM already streams the weights: swapping the small force-loaded ones would free
     nothing. The run says so on its progress line and trains as without swap."""
-    messages = on_both(servers, demo_workflow("kt_dyn_swap", blocks_to_swap=1, gradient_checkpointing=True))
+    swap = demo_workflow("kt_dyn_swap", narrow=True, blocks_to_swap=1, gradient_checkpointing=True)
+    messages = on_both(servers, swap)
     assert "blocks_to_swap 1 is not used under ComfyUI's dynamic VRAM" in first_message(messages)
     assert "--disable-dynamic-vram" in first_message(messages)
 
