@@ -175,6 +175,18 @@ def _seeded_from_meta(model: torch.nn.Module, seed: int, dtype: torch.dtype) -> 
     }
 
 
+def narrow_flux_loads() -> bool:
+    """Whether the running ComfyUI's detection (what the stock UNETLoader reads) takes the
+    narrow demo Flux as it is (0.33: the width's 2 heads; 0.3.75 fixes 24)."""
+    import comfy.model_detection
+
+    model = flux_on_meta(NARROW_FLUX_CONFIG)
+    renamed = real_file_names(model)
+    shapes = {renamed.get(n, n): torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+    detected = comfy.model_detection.detect_unet_config(shapes, "")
+    return detected.get("num_heads") == NARROW_FLUX_CONFIG["num_heads"]
+
+
 def write_narrow_flux(path: Path, seed: int = 1) -> Path:
     """The narrow demo Flux (`NARROW_FLUX_CONFIG`; ComfyUI 0.33 loads it) written to `path`."""
     _write_atomic(flux_state_dict(seed, NARROW_FLUX_CONFIG), path)

@@ -1,8 +1,10 @@
 """The shipped Kontext training workflow on ComfyUI's quantized diffusion-model files, loaded by
-the stock UNETLoader through a real server: the demo's stock-size Flux with every block Linear
-quantized by ComfyUI's own code, in each on-disk form this ComfyUI reads (the older scaled_fp8
-form of `flux1-dev-kontext_fp8_scaled`, fp8mixed's `_quantization_metadata`, and 0.33's
-per-layer `comfy_quant`; kt_testing/quantized_files.py).
+the stock UNETLoader through a real server: the demo Flux with every block Linear quantized by
+ComfyUI's own code (at 1/12 of its width where the stock loader reads the width, 0.33:
+`demo_assets.NARROW_FLUX_CONFIG`; the file's size is not what is tested, its form is), in each
+on-disk form this ComfyUI reads (the older scaled_fp8 form of `flux1-dev-kontext_fp8_scaled`,
+fp8mixed's `_quantization_metadata`, and 0.33's per-layer `comfy_quant`;
+kt_testing/quantized_files.py).
 
 On 70adb75 this failed with "no layers to train" on 0.33 (every form) and on 0.3.75 (fp8mixed).
 Run on a server that also replays 0.33's reused cast memory (kt_testing/cast_replay.py), and each
@@ -42,6 +44,16 @@ def served(tmp_path_factory, stock_assets):
         yield running
 
 
+def source_flux(stock_assets) -> dict:
+    """The state dict the quantized files are made from: the narrow demo Flux where this
+    ComfyUI's UNETLoader loads it, else the stock-size demo Flux."""
+    import demo_assets
+
+    if demo_assets.narrow_flux_loads():
+        return demo_assets.flux_state_dict(config=demo_assets.NARROW_FLUX_CONFIG)
+    return load_file(str(stock_assets["flux"]))
+
+
 def replay_counts(server) -> dict[str, int]:
     """The server's cast replay counts so far (`kt_testing.cast_replay.REPLAYED`)."""
     _, messages = server.run_prompt({"1": {"class_type": "KTTest_CastReplayCount", "inputs": {"nonce": 0}}})
@@ -74,7 +86,7 @@ def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, f
     name = f"kt-demo-flux-{form}.safetensors"
     path = served.base_dir / "models" / "diffusion_models" / name
     if not path.exists():
-        write_quantized_file(path, load_file(str(stock_assets["flux"])), form)
+        write_quantized_file(path, source_flux(stock_assets), form)
     workflow = json.loads(
         (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
     )
@@ -112,7 +124,7 @@ def test_a_mode_that_cannot_run_on_a_quantized_file_is_one_line_before_any_step(
     name = "kt-demo-flux-quantization_metadata.safetensors"
     path = served.base_dir / "models" / "diffusion_models" / name
     if not path.exists():
-        write_quantized_file(path, load_file(str(stock_assets["flux"])), "quantization_metadata")
+        write_quantized_file(path, source_flux(stock_assets), "quantization_metadata")
     workflow = json.loads(
         (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
     )
