@@ -2,8 +2,12 @@
 
 Checkpoints store settings as strings; the settings are typed choices now. The run used choices
 other than the defaults (Adafactor, cosine, logit_normal, all_linear, index, fp16), so each one
-is read back from the old state.json. The resumed run must end exactly where the old
-uninterrupted run ended: the same losses, validation and LoRA tensors, bit for bit."""
+is read back from the old state.json. The resumed run must end where the old uninterrupted run
+ended: the same losses and validation to 1e-5 relative, the same fp16 LoRA tensors to one fp16
+step. Not bit for bit: the old run was computed on another processor, and the CPU kernels round
+the last bits by processor (on this AMD EPYC the losses after the resume differed by 7.8e-8
+relative, while the old run's own machine gave them bit for bit); a resume that restored its
+RNG wrongly (another seed's state in the old checkpoint) moved them by 2.5e-1 relative."""
 
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ import re
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -66,8 +71,12 @@ def test_a_checkpoint_of_70adb75_resumes_to_its_uninterrupted_end(tmp_path):
     (final,) = [c for c in checkpoints(base, NAME) if c.name == "step_000004" and c.parent.name != RUN]
     resumed = json.loads((final / "state.json").read_text())
     expected = json.loads((written / "uninterrupted_step_000004" / "state.json").read_text())
-    assert resumed["losses"] == expected["losses"]
-    assert resumed["validation"] == expected["validation"]
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed["losses"], expected["losses"], strict=True))
+    print(f"\nresumed vs the old uninterrupted run: losses within {worst:.1e} relative")
+    assert resumed["losses"] == pytest.approx(expected["losses"], rel=1e-5, abs=0)
+    assert [step for step, _ in resumed["validation"]] == [step for step, _ in expected["validation"]]
+    validation = [loss for _, loss in resumed["validation"]]
+    assert validation == pytest.approx([loss for _, loss in expected["validation"]], rel=1e-5, abs=0)
     # every setting read back as the old run wrote it (and where the resume came from)
     assert Path(resumed["config"].pop("resumed_from")) == old
     assert resumed["config"].pop("held_out")  # recorded since 70adb75 (which samples are held out)
@@ -78,4 +87,5 @@ def test_a_checkpoint_of_70adb75_resumes_to_its_uninterrupted_end(tmp_path):
         load_file(str(written / "uninterrupted_step_000004" / "lora.safetensors")),
     )
     assert got.keys() == want.keys()
-    assert all(torch.equal(got[key], want[key]) for key in want)
+    for key in want:  # fp16 files: one step of fp16 is 2**-10 relative
+        torch.testing.assert_close(got[key].float(), want[key].float(), rtol=2**-9, atol=2**-24)
