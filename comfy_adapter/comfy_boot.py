@@ -24,13 +24,11 @@ def boot(
         `use_cuda`, `--base-directory`), then the pack's `__init__.py` run in `pack` (its package,
     set up by `trainer_core/__main__.py`) and its nodes registered as ComfyUI's loader does.
 
-        On a GPU it loads models the way the server does on the same machine: ComfyUI's
-        `cuda_malloc` picks the allocator (cudaMallocAsync where `main.py` would) before CUDA
-        starts, and on a ComfyUI with dynamic VRAM (0.33) comfy-aimdo is set up as `main.py` sets it
-        up, unless `dynamic_vram` is False (the CLI's --disable-dynamic-vram). The mode chosen, and
-        why, is printed (`loading_mode`)."""
-    if use_cuda:
-        choose_allocator(root)
+        On a GPU it loads models the way the server does on the same machine: the caller has let
+        ComfyUI's `cuda_malloc` pick the allocator before importing torch (`choose_allocator`,
+        called by the CLI's `wants_cuda`), and on a ComfyUI with dynamic VRAM (0.33) comfy-aimdo is
+        set up as `main.py` sets it up, unless `dynamic_vram` is False (the CLI's
+        --disable-dynamic-vram). The mode chosen, and why, is printed (`loading_mode`)."""
     if str(root) not in sys.path:
         sys.path.insert(0, str(root))
     import torch

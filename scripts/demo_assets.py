@@ -131,9 +131,10 @@ def flux_on_meta(config: dict = DEMO_FLUX_CONFIG) -> torch.nn.Module:
         return comfy.ldm.flux.model.Flux(operations=comfy.ops.disable_weight_init, **for_this_comfyui(config))
 
 
-def flux_file_shapes() -> dict[str, torch.Size]:
-    """Name -> shape of each tensor of the demo Flux file, under the real files' names."""
-    model = flux_on_meta()
+def flux_file_shapes(config: dict = DEMO_FLUX_CONFIG) -> dict[str, torch.Size]:
+    """Name -> shape of each tensor of the demo Flux file (or another `config`'s), under the real
+    files' names."""
+    model = flux_on_meta(config)
     renamed = real_file_names(model)
     return {renamed.get(name, name): param.shape for name, param in model.named_parameters()}
 
@@ -180,9 +181,8 @@ def narrow_flux_loads() -> bool:
     narrow demo Flux as it is (0.33: the width's 2 heads; 0.3.75 fixes 24)."""
     import comfy.model_detection
 
-    model = flux_on_meta(NARROW_FLUX_CONFIG)
-    renamed = real_file_names(model)
-    shapes = {renamed.get(n, n): torch.empty(p.shape, device="meta") for n, p in model.named_parameters()}
+    files = flux_file_shapes(NARROW_FLUX_CONFIG)
+    shapes = {name: torch.empty(shape, device="meta") for name, shape in files.items()}
     detected = comfy.model_detection.detect_unet_config(shapes, "")
     return detected.get("num_heads") == NARROW_FLUX_CONFIG["num_heads"]
 

@@ -23,9 +23,10 @@ def sampled_values(tensor: torch.Tensor) -> bytes:
     first forward makes it zeros: `comfy.ops.materialize_meta_param`.)"""
     flat = tensor.detach().reshape(-1)
     step = max(1, flat.numel() // SAMPLED_VALUES)
-    if flat.device.type == "meta":
-        return torch.zeros(len(range(0, flat.numel(), step)[:SAMPLED_VALUES])).numpy().tobytes()
-    return flat[::step][:SAMPLED_VALUES].float().cpu().numpy().tobytes()
+    sample = flat[::step][:SAMPLED_VALUES]
+    if sample.device.type == "meta":
+        sample = torch.zeros(sample.shape)
+    return sample.float().cpu().numpy().tobytes()
 
 
 def weights_identity(named_tensors, extra: object = "") -> str:
