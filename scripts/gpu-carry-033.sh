@@ -13,6 +13,11 @@
 # Then, with carry [".gpu-carry"] (the tree, .gpu-carry: about 60 MB):
 #   bash .gpu-carry/run-033.sh                  # the GPU layer on ComfyUI 0.33
 #   bash .gpu-carry/run-0375.sh                 # the GPU layer on ComfyUI 0.3.75
+# With KT_GPU_CARRY_PYAV=1 it carries real PyAV (35 MB) instead of comfy-kitchen's CUDA library:
+# 0.33's LoadImage decodes every PNG with PyAV, so the GPU server tests need it, and both do not
+# fit. comfy-kitchen then runs its eager and triton backends (its import tolerates the missing
+# library), and the wheels no GPU test imports (diffusers, kornia) stay behind. Run
+# prepare-carry.sh again to go back to the default carry.
 set -euo pipefail
 ROOT="$(pwd)"
 CARRY="$ROOT/.gpu-carry"
@@ -35,6 +40,15 @@ if [[ ! -f "$CACHE" ]]; then
   mkdir -p "$(dirname "$CACHE")" && mv "$TMP/t.tar" "$CACHE" && rm -rf "$TMP"
 fi
 cp "$CACHE" "$CARRY/comfy_kitchen.tar"
+if [[ "${KT_GPU_CARRY_PYAV:-0}" == 1 ]]; then
+  TMP="$(mktemp -d)"
+  (cd "$TMP" && tar xf "$CARRY/comfy_kitchen.tar" && rm -f comfy_kitchen/backends/cuda/_C*.so.xz \
+     && tar cf "$CARRY/comfy_kitchen.tar" comfy_kitchen comfy_kitchen-*.dist-info)
+  rm -rf "$TMP" "$CARRY"/wheels/diffusers-*.whl "$CARRY"/wheels/kornia*.whl
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d "$CARRY/wheels" "av>=16" 2>&1 \
+    | grep -v "is ignored" || true
+fi
 for p in comfy-aimdo==0.4.13; do
   python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
@@ -68,6 +82,7 @@ class _Stand(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.insert(0, _Stand())
 PY
 rm -rf "$CARRY/stubs/av/container" "$CARRY/stubs/av/subtitles"
+if ls "$CARRY"/wheels/av-*.whl >/dev/null 2>&1; then rm -rf "$CARRY/stubs/av"; fi
 cat > "$CARRY/run-033.sh" <<'SH'
 #!/usr/bin/env bash
 # On the GPU machine, from the project's root: ComfyUI 0.33 unpacked into .comfyui-0.33, then
@@ -77,7 +92,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 mkdir -p .comfyui-0.33 && tar xzf "$HERE/comfyui-0.33.tar.gz" -C .comfyui-0.33 --strip-components=1
 rm -f .comfyui-0.33/extra_model_paths.yaml
 [[ -d .comfyui ]] || tar xJf "$HERE/comfyui-0.3.75.tar.xz"   # the test helpers read both
-mkdir -p /tmp/kitchen && tar xf "$HERE/comfy_kitchen.tar" -C /tmp/kitchen && xz -d -f /tmp/kitchen/comfy_kitchen/backends/cuda/_C*.so.xz
+mkdir -p /tmp/kitchen && tar xf "$HERE/comfy_kitchen.tar" -C /tmp/kitchen && { ! ls /tmp/kitchen/comfy_kitchen/backends/cuda/_C*.so.xz >/dev/null 2>&1 || xz -d -f /tmp/kitchen/comfy_kitchen/backends/cuda/_C*.so.xz; }
 export PYTHONPATH="/tmp/kitchen${PYTHONPATH:+:$PYTHONPATH}"
 export KONTEXT_TRAINER_COMFYUI="$PWD/.comfyui-0.33"
 exec bash "$HERE/run.sh" "$@"

@@ -82,6 +82,7 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
     from demo_assets import seeded_values
 
     gen = torch.Generator().manual_seed(seed)
+    _declare_lazy_parameters(module)
     with torch.no_grad():
         for name, param in list(module.named_parameters()):
             values = seeded_values(name, param.shape, gen).to(param.dtype)
@@ -93,6 +94,23 @@ def seeded_init_(module: torch.nn.Module, seed: int) -> torch.nn.Module:
             else:
                 param.copy_(values)
     return module
+
+
+def _declare_lazy_parameters(module: torch.nn.Module) -> None:
+    """ComfyUI 0.33 under dynamic VRAM builds its Linear layers with no weight at all (`weight`
+    and `bias` None until the loader's state dict assigns them, `comfy.ops` "lazy init"): give
+    them `meta` Parameters of the shapes the loader would assign, weight then bias (the order an
+    eager build registers them), so `seeded_init_` fills them like every other weight."""
+    for layer in module.modules():
+        if getattr(layer, "weight", 0) is not None or not hasattr(layer, "comfy_need_lazy_init_bias"):
+            continue
+        dtype = getattr(layer, "weight_comfy_model_dtype", None) or torch.float32
+        shapes = {"weight": (layer.out_features, layer.in_features)}
+        if layer.comfy_need_lazy_init_bias:
+            shapes["bias"] = (layer.out_features,)
+        for attribute, shape in shapes.items():
+            empty = torch.empty(shape, device="meta", dtype=dtype)
+            setattr(layer, attribute, torch.nn.Parameter(empty, requires_grad=False))
 
 
 def build_flux_model(

@@ -67,3 +67,30 @@ def test_small_vae_round_trip_shapes(comfy_runtime):
     decoded = vae.decode(latent)
     assert decoded.shape == image.shape
     assert decoded.min() >= 0 and decoded.max() <= 1
+
+
+def test_tiny_models_built_as_dynamic_vram_builds_them_match_the_eager_build(comfy_runtime, monkeypatch):
+    """ComfyUI 0.33 under dynamic VRAM (the command line on an NVIDIA GPU) builds Linear layers
+    with no weight until its loader assigns one: the tiny models must get every weight there too,
+    the same values as an eager build, or the first forward stops in ComfyUI's cast (the GPU run
+    of session 19: "'NoneType' object has no attribute 'device'" in the tiny CLIP)."""
+    import comfy.memory_management
+    import comfy.ops
+
+    from kt_testing.tiny_models import tiny_clip, tiny_flux_patcher
+
+    if not hasattr(comfy.ops.disable_weight_init, "_lazy_load_from_state_dict"):
+        pytest.skip("this ComfyUI builds every weight eagerly")
+    eager_clip, eager_flux = tiny_clip(seed=2), tiny_flux_patcher(seed=3)
+    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True)
+    lazy_clip, lazy_flux = tiny_clip(seed=2), tiny_flux_patcher(seed=3)
+    lazy_layers = [m for m in lazy_clip.cond_stage_model.modules() if hasattr(m, "comfy_need_lazy_init_bias")]
+    assert lazy_layers  # the lazy build happened
+    pairs = ((eager_clip.cond_stage_model, lazy_clip.cond_stage_model), (eager_flux.model, lazy_flux.model))
+    for eager, lazy in pairs:
+        expected, got = eager.state_dict(), lazy.state_dict()
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), key
+    tokens = lazy_clip.tokenize("a red cube")
+    assert torch.equal(lazy_clip.encode_from_tokens(tokens), eager_clip.encode_from_tokens(tokens))
