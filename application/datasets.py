@@ -15,6 +15,7 @@ from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_datase
 from ..trainer_core.dataset_files import scan_dataset, within
 from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
 from ..trainer_core.encode_cache import EncodeCache
+from ..trainer_core.names import check_folder_path
 
 LOGGER = logging.getLogger("kontext_trainer")
 
@@ -55,9 +56,10 @@ def resolve_cache_folder(
     node: ComfyUI's output and temp folders): the folder must lie inside one of them, as
     SaveImage's folders must; None (the command line's run file, which names what it wants):
     any folder."""
-    if not cache_folder.strip():
+    if not cache_folder:
         return Path(output_dir) / CACHE_FOLDER_NAME
-    chosen = Path(cache_folder.strip()).expanduser()
+    check_folder_path("cache_folder", cache_folder)
+    chosen = Path(cache_folder).expanduser()
     chosen = chosen if chosen.is_absolute() else Path(output_dir) / chosen
     if confined_to is not None and not any(within(folder, chosen) for folder in confined_to):
         raise ValueError(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from ..trainer_core.atomic import folder_problem
 from ..trainer_core.checkpoint import all_checkpoints, checkpoint_problem
 from ..trainer_core.run_files import LoraPaths, replaced_snapshots, snapshot_steps
 
@@ -114,6 +115,26 @@ def resolve_resume(choice: str) -> Path | None:
     if not path.is_dir():
         raise ValueError(f"resume_from: there is no checkpoint '{choice}' (any more); pick another or 'none'")
     return path
+
+
+def check_run_folders(paths: LoraPaths) -> None:
+    """Before the first step: the folders the run will write exist (or can be made) and take a
+    file, so a run never trains to find at its end that its LoRA has nowhere to go. The
+    refusal names the folder and what is wrong with it."""
+    folders = (
+        ("the LoRA folder", paths.loras_dir, True),
+        ("the snapshot folder", paths.snapshots, False),
+        ("the checkpoint folder", paths.checkpoints_root, True),
+        ("the checkpoint folder", paths.checkpoints, False),
+    )
+    for role, folder, create in folders:
+        problem = folder_problem(folder, create)
+        if problem is not None:
+            raise ValueError(
+                f"{role} cannot take this run's files: {problem}. Make {folder} a folder ComfyUI can "
+                "write to (for models/loras: or point the loras path of extra_model_paths.yaml at "
+                "one), then run it again; nothing was trained"
+            )
 
 
 def check_existing(paths: LoraPaths, overwrite: bool, resuming: bool = False) -> bool:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import logging
 import re
 from pathlib import Path
@@ -20,6 +21,7 @@ from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.lora_session import LoraSession
 from ..comfy_adapter.model_family import vram_estimate
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
+from ..trainer_core.atomic import ensure_folder
 from ..trainer_core.checkpoint import Checkpoint, lineage, new_run_folder, prune, save_checkpoint, step_of
 from ..trainer_core.config import TrainConfig
 from ..trainer_core.distributed import Collective
@@ -64,19 +66,47 @@ def write_problem(error: BaseException) -> str:
     return found.group(1) if found else str(error)
 
 
+def write_errno(error: BaseException) -> int | None:
+    """The system's error number of a failed write (an OSError's, or the one safetensors wraps)."""
+    if isinstance(error, OSError) and error.errno:
+        return error.errno
+    found = re.search(r"code: (\d+)", str(error))
+    return int(found.group(1)) if found else None
+
+
+def remedy(error: BaseException, where: Path) -> str:
+    """The one thing to do about a failed write, by its cause: only a full disk is "make room"."""
+    code = write_errno(error)
+    if code in (errno.ENOSPC, errno.EDQUOT):
+        return "make room"
+    if code in (errno.ENOTDIR, errno.EEXIST):
+        return f"make {where} a folder again (or point ComfyUI at one)"
+    if code in (errno.EACCES, errno.EPERM):
+        return f"give ComfyUI permission to write in {where}"
+    if code == errno.EROFS:
+        return f"make {where} writable (it is on a read-only file system)"
+    if code == errno.ENAMETOOLONG:
+        return "choose a shorter lora_name"
+    if code == errno.ENOENT:
+        return f"make {where} again"
+    return "fix that"
+
+
 def failed_save(
     what: str, where: Path, step: int, error: BaseException, newest: str | None, resume: str = ""
 ) -> SaveFailed:
     """The one line for a write that failed; `error` itself is raised again when it is no
-    write failure (a SafetensorError about the tensors is a bug to see as it is)."""
+    write failure (a SafetensorError about the tensors is a bug to see as it is). `resume`
+    (where the trained weights are, and what to do), else the newest complete checkpoint."""
     if isinstance(error, SafetensorError) and "IoError" not in str(error):
         raise error
-    resume = resume or (
-        f"nothing saved before is lost: the newest complete checkpoint is {newest}; make room and "
+    fix = remedy(error, where)
+    resume = (resume or (
+        f"nothing saved before is lost: the newest complete checkpoint is {newest}; {fix} and "
         "resume from it (resume_from)"
         if newest
-        else "no checkpoint of this run was complete yet; make room and start it again"
-    )
+        else f"no checkpoint of this run was complete yet; {fix} and start it again"
+    )).replace("{fix}", fix)
     return SaveFailed(
         f"could not write the {what} at step {step} to {where}: {write_problem(error)}; {resume}", step
     )
@@ -196,7 +226,7 @@ class CheckpointWriter:
         continues its run's snapshots. Only this run's (and its origin's) are pruned."""
         if not self.snapshots and not self.resuming:  # kept aside until this run's LoRA is saved
             self.aside = set_aside_snapshots(self.paths, before=self.facts.started_at)
-        self.paths.snapshots.mkdir(parents=True, exist_ok=True)
+        ensure_folder(self.paths.snapshots)
         path = session.save(self.paths.snapshot(step), metadata, modules)
         self.snapshots.append(path)
         if self.config.keep_last > 0:

@@ -16,6 +16,7 @@ and how a stop is asked for (Cancel, Ctrl-C).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -32,7 +33,7 @@ from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
-from .run_policy import check_existing, checkpoints_root, loras_dir, temp_dir
+from .run_policy import check_existing, check_run_folders, checkpoints_root, loras_dir, temp_dir
 from .run_reports import write_problem
 from .training_run import Run, TrainingOutcome, run_training
 
@@ -73,11 +74,35 @@ class PreparedRun:
         self.check_model(model, dataset)
 
     def check_resume(self, dataset) -> None:
-        """A resume continues this run exactly: same settings, dataset and processes."""
+        """A resume continues this run exactly: same settings, dataset and processes (the
+        batch as `fit_batch` lowers it, as the run it continues lowered it)."""
+        self.fit_batch(dataset)
         if self.state is not None:
             check_resume(
                 self.state, self.config, dataset.content_hash, self.run.world_size, dataset.held_out_hash
             )
+
+    def fit_batch(self, dataset) -> None:
+        """A batch larger than the dataset is lowered to it, with a line saying so: the run, its
+        LoRA's metadata and the VRAM estimate then all use the batch that runs (a batch never
+        holds a sample twice, so 8 on 3 samples trains 3 at a time anyway)."""
+        config, world = self.config, self.run.world_size
+        samples = len(dataset.entries)
+        fits = max(1, samples // world)
+        if config.batch_size <= fits:
+            return
+        if self.state is not None and self.state["config"].get("batch_size") == config.batch_size:
+            return  # a checkpoint from before this rule trained with the batch as given: continue it
+        lowered = dataclasses.replace(config, batch_size=fits)
+        self.request = dataclasses.replace(self.request, config=lowered)
+        each = f" per process ({world} processes)" if world > 1 else ""
+        note = (
+            f"batch_size {config.batch_size} is more than the dataset's {samples} training sample(s): "
+            f"training with batch_size {fits}{each}"
+        )
+        if note not in self.run.notes:
+            self.run.notes.append(note)
+        LOGGER.warning("TrainLoRA %s: %s", self.paths.stem, note)
 
     def check_model(self, model, dataset) -> None:
         """The model can train this dataset with this config (family, layout, quantization)."""
@@ -126,6 +151,8 @@ def prepare(request: RunRequest) -> PreparedRun:
     """The checks that need no model: the LoRA's name, the overwrite policy, a complete
     checkpoint to resume (its state.json read here), and what the run starts from."""
     paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(request.lora_name))
+    if request.collective is None or request.collective.rank == 0:  # the process that writes
+        check_run_folders(paths)
     resuming = request.resume is not None
     replaces = check_existing(paths, request.overwrite, resuming=resuming)
     state = read_state(request.resume) if resuming else None  # or a message naming what is missing

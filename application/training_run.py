@@ -15,7 +15,7 @@ with more steps).
 from __future__ import annotations
 
 import dataclasses
-import itertools
+import errno
 import logging
 import secrets
 import time
@@ -30,6 +30,7 @@ from ..comfy_adapter.comfy_quantized import base_record, weight_formats
 from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.previews import PreviewSettings
+from ..trainer_core.atomic import NameTaken
 from ..trainer_core.checkpoint import load_checkpoint
 from ..trainer_core.choices import JobStatus
 from ..trainer_core.config import TrainConfig
@@ -57,6 +58,7 @@ from .run_reports import (
 )
 
 LOGGER = logging.getLogger("kontext_trainer")
+FREE_NAME_TRIES = 99  # <name>_2 ... _100: a LoRA saved under the name while the run trained
 
 
 @dataclass
@@ -72,6 +74,7 @@ class Run:
     collective: Collective | None = None
     overwrite: bool = False  # the user allows replacing the LoRA file (checked again at its rename)
     model_file: Path | None = None  # the base model's file, when known (for the LoRA's metadata)
+    notes: list[str] = field(default_factory=list)  # what the checks changed (shown with the estimate)
 
     @property
     def rank(self) -> int:
@@ -169,7 +172,7 @@ class TrainingRun:
         self.initial = resume.lora if resume else seeded
         self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
         self.notes = continuation_notes(resume.config, resume.step, config, self.base) if resume else []
-        self.notes += family_of(self.model).file_notes(config)
+        self.notes += family_of(self.model).file_notes(config) + run.notes
         for note in self.notes:
             LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
 
@@ -349,7 +352,7 @@ class TrainingRun:
         except WRITE_ERRORS as error:
             kept = (
                 f"the trained LoRA is complete in the final checkpoint, {final / 'lora.safetensors'} "
-                "(float32): make room and copy it, or resume that checkpoint with more steps"
+                "(float32): {fix}, then copy it into models/loras, or resume that checkpoint with more steps"
             )
             raise failed_save("LoRA", self.paths.loras_dir, config.steps, error, None, kept) from None
         if self.saved_paths == self.paths:  # this run replaces the name's earlier run now
@@ -370,15 +373,15 @@ class TrainingRun:
         self.saved_paths, self.conflict = paths, ""
         try:
             return session.save(paths.lora, metadata, replace=self.run.overwrite)
-        except FileExistsError:
+        except NameTaken:  # only a real clash; a folder that cannot take the file is its error
             pass
-        for n in itertools.count(2):
+        for n in range(2, 2 + FREE_NAME_TRIES):
             other = dataclasses.replace(paths, stem=f"{paths.stem}_{n}")
             if other.loss_chart.exists():
                 continue
             try:
                 saved = session.save(other.lora, metadata, replace=False)
-            except FileExistsError:
+            except NameTaken:
                 continue
             self.saved_paths = other
             self.conflict = (
@@ -387,7 +390,12 @@ class TrainingRun:
             )
             LOGGER.warning("TrainLoRA %s: %s", paths.stem, self.conflict)
             return saved
-        raise AssertionError("unreachable")
+        raise NameTaken(
+            errno.EEXIST,
+            f"{paths.lora.name} and {FREE_NAME_TRIES} names after it ({paths.stem}_2 ... "
+            f"{paths.stem}_{1 + FREE_NAME_TRIES}) are taken",
+            str(paths.lora),
+        )
 
     def finished_elsewhere(self, session: LoraSession, result: TrainResult) -> TrainingOutcome:
         """Data parallel, a process other than rank 0: its part of the last checkpoint only."""

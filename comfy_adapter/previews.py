@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..trainer_core.atomic import ensure_folder
 from ..trainer_core.names import preview_name
 from ..trainer_core.validation import evaluating
 from .comfy_loading import as_the_executor_loads
@@ -90,7 +91,7 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
 def save_previews(images: torch.Tensor, temp_dir: Path, stem: str, step: int) -> list[dict]:
     """PNGs in ComfyUI's temp folder; returns the `/view` references ({filename, subfolder, type})."""
     folder = Path(temp_dir) / PREVIEW_FOLDER
-    folder.mkdir(parents=True, exist_ok=True)
+    ensure_folder(folder)
     refs = []
     for index, image in enumerate(images):
         name = preview_name(stem, step, index)

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .atomic import fsync_file, new_temp_folder
+from .atomic import ensure_folder, fsync_file, new_temp_folder, special_kind
 from .lora_file import LoraModule, from_state_dict, load, save_atomic
 from .lora_metadata import write_lora
 
@@ -85,7 +85,7 @@ def save_checkpoint(
     validation: list[tuple[int, float]] = (),
 ) -> Path:
     folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
+    ensure_folder(folder)
     final = folder / step_folder_name(step)
     staging = new_temp_folder(final)
     try:
@@ -124,6 +124,9 @@ def read_state(path: Path) -> dict:
     anything heavy is loaded. Names the folder and what is missing when it is incomplete
     (FileNotFoundError), the file and what is wrong when one is damaged (ValueError)."""
     path = Path(path)
+    special = [f"{n} is {k}" for n in (*TENSOR_FILES, "state.json") if (k := special_kind(path / n))]
+    if special:
+        raise ValueError(f"{path}: not a checkpoint: {', '.join(special)}, not a file")
     missing = [name for name in (*TENSOR_FILES, "state.json") if not (path / name).is_file()]
     if missing:
         raise FileNotFoundError(f"{path}: not a complete checkpoint (missing {', '.join(missing)})")
@@ -225,6 +228,7 @@ def new_run_folder(root: Path) -> Path:
     unrelated runs under the same LoRA name never prune each other's checkpoints; a resumed
     run prunes those of the run it continues: `prune`)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
+    ensure_folder(root)
     candidate, n = Path(root) / stamp, 1
     while candidate.exists():
         candidate, n = Path(root) / f"{stamp}-{n}", n + 1

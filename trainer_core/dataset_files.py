@@ -21,6 +21,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .atomic import special_kind
 from .image_files import IMAGE_EXTENSIONS, FileProblem, read_image, too_large_message, upright_size
 from .sizing import MAX_SIDE
 
@@ -64,13 +65,28 @@ def _slot(match) -> int:
 def _images_by_stem(folder: Path, problems: list[str]) -> dict[str, Path]:
     found: dict[str, list[Path]] = defaultdict(list)
     for path in sorted(folder.iterdir()):
-        if path.is_file() and path.suffix.lower() in IMAGE_EXTENSIONS:
+        if path.suffix.lower() not in IMAGE_EXTENSIONS:
+            continue
+        if path.is_file():
             found[path.stem].append(path)
+        elif (kind := special_kind(path)) is not None:
+            problems.append(f"{path}: is {kind}, not an image file; replace it with the image")
     for stem, paths in found.items():
         if len(paths) > 1:
             names = ", ".join(p.name for p in paths)
             problems.append(f"{folder}: {names} are two images for '{stem}'; keep one of them")
     return {stem: paths[0] for stem, paths in found.items()}
+
+
+def caption_file(path: Path, problems: list[str]) -> Path | None:
+    """The caption file, None where there is none; a named pipe or a device file in its place is
+    a problem saying what it is (it would block a read, or never end)."""
+    if path.is_file():
+        return path
+    kind = special_kind(path)
+    if kind is not None:
+        problems.append(f"{path}: is {kind}, not a caption file; replace it with a text file")
+    return None
 
 
 def _check_references(
@@ -137,8 +153,8 @@ def _scan_one_folder(root: Path, problems: list[str]) -> list[SampleFiles]:
     refs = _check_references(targets, references, problems)
     samples = []
     for stem, target in targets.items():
-        caption = root / f"{stem}.txt"
-        samples.append(SampleFiles(stem, target, refs[stem], caption if caption.is_file() else None))
+        caption = caption_file(root / f"{stem}.txt", problems)
+        samples.append(SampleFiles(stem, target, refs[stem], caption))
     return samples
 
 
@@ -180,8 +196,8 @@ def _scan_parallel(root: Path, problems: list[str]) -> list[SampleFiles]:
                     f"{target}: no reference {control_dirs[slot].name}/{stem}.png/.jpg/.webp; "
                     "add it or remove the target"
                 )
-        caption = target_dir / f"{stem}.txt"
-        samples.append(SampleFiles(stem, target, refs, caption if caption.is_file() else None))
+        caption = caption_file(target_dir / f"{stem}.txt", problems)
+        samples.append(SampleFiles(stem, target, refs, caption))
     return samples
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .atomic import new_temp_file
+from .atomic import ensure_folder, new_temp_file
 from .lora_file import load, save_atomic
 
 # Bump when the image pipeline (decode, conversions, resize) changes what is encoded.
@@ -48,7 +48,7 @@ class EncodeCache:
         """Create the cache folder and prove a file can be written there, before anything is
         encoded (a failure halfway through would waste the encoding done so far). Raises the
         OSError as it comes."""
-        self.root.mkdir(parents=True, exist_ok=True)
+        ensure_folder(self.root)
         new_temp_file(self.root / "write_test").unlink()
 
     def path(self, kind: str, key: str) -> Path:

@@ -4,6 +4,7 @@ message saying why not."""
 from __future__ import annotations
 
 import re
+import unicodedata
 from pathlib import Path
 
 from .atomic import temp_sibling
@@ -26,7 +27,60 @@ RESERVED = {
     *(f"com{i}" for i in range(1, 10)),
     *(f"lpt{i}" for i in range(1, 10)),
 }
-FORBIDDEN = re.compile(r'[<>:"|?*\x00-\x1f]')
+FORBIDDEN = re.compile(r'[<>:"|?*]')
+MAX_PATH_BYTES = 4096  # Linux's PATH_MAX: the longest path a folder may have
+
+
+def invisible(text: str) -> str | None:
+    """The first control or format character of `text` ("U+202E"), or None: control characters
+    (category Cc: NUL, newline, DEL, ...) break files and logs; format characters (Cf: the
+    right-to-left override U+202E, zero-width spaces) make a name show as another in lists."""
+    found = next((c for c in text if unicodedata.category(c) in ("Cc", "Cf")), None)
+    return None if found is None else f"U+{ord(found):04X}"
+
+
+def check_name_part(field: str, part: str, typed: str) -> None:
+    """The rule every file or folder name the user types must pass (lora_name, each folder of
+    cache_folder), with `field` and the value as `typed` in the message: no control or format
+    character, none of < > : " | ? *, no surrounding spaces (a name is used as typed or
+    refused), no trailing dot, no name Windows reserves. The caller checks the length in bytes
+    (a LoRA's stem with the longest name the trainer writes from it)."""
+    code = invisible(part)
+    if code is not None:
+        raise ValueError(
+            f"{field} {typed!r} contains an invisible control or format character ({code}); retype it"
+        )
+    if FORBIDDEN.search(part):
+        raise ValueError(f"{field} '{typed}' contains one of < > : \" | ? *; remove it")
+    if part != part.strip():
+        raise ValueError(f"{field} '{typed}' starts or ends with a space; remove the space")
+    if part.endswith("."):
+        raise ValueError(f"{field} '{typed}' has a name ending in a dot ('{part}'); rename it")
+    if part.split(".")[0].lower() in RESERVED:
+        raise ValueError(
+            f"{field} '{typed}' uses '{part}', a reserved device name on Windows; choose another"
+        )
+
+
+def check_folder_path(field: str, typed: str) -> None:
+    """A folder the user types (cache_folder): every name in it passes `check_name_part` (the
+    rule lora_name passes), and the whole path fits a file system's path limit, checked
+    before anything is written."""
+    if len(typed.encode("utf-8")) > MAX_PATH_BYTES:
+        raise ValueError(
+            f"{field} is {len(typed.encode('utf-8'))} bytes long; paths may have {MAX_PATH_BYTES}; shorten it"
+        )
+    if not typed.strip():
+        raise ValueError(f"{field} is only spaces; leave it empty for the default folder, or give a name")
+    for part in Path(typed).parts:
+        if part in ("/", ".", "..") or part.startswith("~"):
+            continue
+        check_name_part(field, part, typed)
+        if len(part.encode("utf-8")) > MAX_NAME_BYTES:
+            raise ValueError(
+                f"{field}: the name '{part[:40]}...' is {len(part.encode('utf-8'))} bytes in UTF-8; file "
+                f"systems allow {MAX_NAME_BYTES} per name; shorten it"
+            )
 
 
 def preview_name(stem: str, step: int, index: int) -> str:
@@ -78,10 +132,10 @@ def lora_stem(name: str) -> str:
     `..`, absolute paths, reserved device names, characters other systems forbid, hidden
     files and overlong names (in characters, and in bytes of every name written), each with
     a message."""
-    stem = name.strip()
+    stem = name
     if stem.lower().endswith(SUFFIX):
         stem = stem[: -len(SUFFIX)]
-    if not stem:
+    if not stem.strip():
         raise ValueError("lora_name is empty; give the LoRA a name such as my_edit_lora")
     if "/" in stem or "\\" in stem or stem.startswith("~"):
         raise ValueError(
@@ -89,12 +143,9 @@ def lora_stem(name: str) -> str:
         )
     if ".." in stem:
         raise ValueError(f"lora_name '{name}' contains '..'; give a plain name")
-    if FORBIDDEN.search(stem):
-        raise ValueError(f"lora_name '{name}' contains one of < > : \" | ? * or a control character")
-    if stem.startswith(".") or stem.endswith((".", " ")):
-        raise ValueError(f"lora_name '{name}' starts with a dot or ends with a dot or space; rename it")
-    if stem.split(".")[0].lower() in RESERVED:
-        raise ValueError(f"lora_name '{name}' is a reserved device name on Windows; choose another")
+    if stem.startswith("."):
+        raise ValueError(f"lora_name '{name}' starts with a dot (a hidden file); rename it")
+    check_name_part("lora_name", stem, name)
     if len(stem) > MAX_LENGTH:
         raise ValueError(f"lora_name is {len(stem)} characters; keep it under {MAX_LENGTH}")
     _check_name_bytes(stem)

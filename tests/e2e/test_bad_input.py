@@ -167,3 +167,25 @@ def test_a_huge_caption_is_refused_by_name_and_the_server_lives(server, tmp_path
     assert "shorten it" in message
     assert not cache.exists() and not (loras(server) / "kt_bad_caption.safetensors").exists()
     assert server.get_json("/system_stats")["system"]  # still serving
+
+
+def test_a_batch_larger_than_the_dataset_is_lowered_with_a_line_saying_so(server, good_set):
+    """Issue 44: batch_size 8 on 2 samples trained with no notice, and the LoRA's metadata and
+    the VRAM estimate said 8. Now the run lowers it to the dataset's size and says so; its
+    estimate is the one of a run asked for that batch, and the metadata records it."""
+    from kt_testing.runs import progress_events
+    from trainer_core.lora_file import load
+
+    def trained(name: str, batch: int) -> tuple[str, dict]:
+        _, messages = server.run_prompt(training_graph(good_set, name, steps=1, batch_size=batch))
+        assert messages[-1]["type"] == "execution_success", messages[-1]["data"]
+        first = progress_events(messages)[0]["message"]
+        return first, load(loras(server) / f"{name}.safetensors")[1]
+
+    asked_8, metadata = trained("kt_batch_8_on_2", 8)
+    asked_2, metadata_2 = trained("kt_batch_2_on_2", 2)
+    note = "batch_size 8 is more than the dataset's 2 training sample(s): training with batch_size 2"
+    assert note in asked_8, asked_8
+    assert asked_8.replace(note + "; ", "") == asked_2  # the same estimate as a run of batch 2
+    assert metadata["ss_batch_size_per_device"] == metadata_2["ss_batch_size_per_device"] == "2"
+    assert metadata["ss_total_batch_size"] == "2"

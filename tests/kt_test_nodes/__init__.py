@@ -21,6 +21,7 @@ for _path in (_TESTS, _TESTS.parent / "scripts"):
     if str(_path) not in sys.path:
         sys.path.insert(0, str(_path))
 
+from kt_testing.bad_files import BREAK_KINDS, break_folder_after_writes  # noqa: E402
 from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAYED, replay  # noqa: E402
 from kt_testing.device_moves import DEVICE_MOVES_ENV, emulate_everywhere  # noqa: E402
 from kt_testing.dynamic_vram import (  # noqa: E402
@@ -167,6 +168,36 @@ class DiskFull:
         return (model,)
 
 
+class BreakFolder:
+    """Passes the MODEL through; once the pack has written `after_writes` more safetensors files,
+    ComfyUI's first `folder` path ("loras": models/loras) is moved aside and a file, or a link to
+    a missing place, put where it was (`kt_testing.bad_files.break_folder_after_writes`; 0: now).
+    The test puts it back (`restore_folder`)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "arm"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "model": ("MODEL",),
+                "folder": ("STRING", {"default": "loras"}),
+                "after_writes": ("INT", {"default": 0, "min": 0}),
+                "kind": (list(BREAK_KINDS),),
+            }
+        }
+
+    def arm(self, model, folder, after_writes, kind):
+        import folder_paths
+
+        (module,) = [m for name, m in sys.modules.items() if name.endswith("trainer_core.lora_file")]
+        target = Path(folder_paths.get_folder_paths(folder)[0])
+        break_folder_after_writes(module, target, after_writes, kind)
+        return (model,)
+
+
 class ModelDifference:
     """Max |difference| of two MODELs' outputs on a fixed input, shown as UI output."""
 
@@ -300,6 +331,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_DiskFull": DiskFull,
+    "KTTest_BreakFolder": BreakFolder,
     "KTTest_ModelDifference": ModelDifference,
     "KTTest_MappedWeights": MappedWeights,
     "KTTest_AnonymousMemory": AnonymousMemory,

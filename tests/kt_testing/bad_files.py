@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import struct
 import zlib
 from pathlib import Path
@@ -22,3 +23,53 @@ def write_huge_png(path: Path, width: int, height: int) -> Path:
         b"\x89PNG\r\n\x1a\n" + _chunk(b"IHDR", header) + _chunk(b"IDAT", data) + _chunk(b"IEND", b"")
     )
     return path
+
+
+BREAK_FOLDER_ENV = "KT_TEST_BREAK_FOLDER"  # "<after_writes>:<file|dangling link>" for the command
+BREAK_KINDS = ("file", "dangling link")
+
+
+def break_folder(folder: Path, kind: str) -> Path:
+    """Move `folder` aside (to `<folder>.kt_moved`, returned) and put a plain file, or a link to a
+    missing place, where it was: a folder that went away as a drive that is not mounted does."""
+    folder = Path(folder)
+    aside = folder.with_name(folder.name + ".kt_moved")
+    folder.rename(aside)
+    if kind == "file":
+        folder.write_text("a file where the folder was\n", encoding="utf-8")
+    elif kind == "dangling link":
+        folder.symlink_to(folder.with_name("kt_unmounted_drive") / folder.name)
+    else:
+        raise ValueError(f"kind: one of {BREAK_KINDS}; got {kind!r}")
+    return aside
+
+
+def restore_folder(folder: Path) -> None:
+    """Undo `break_folder` (nothing to do where it did not run)."""
+    folder = Path(folder)
+    aside = folder.with_name(folder.name + ".kt_moved")
+    if aside.is_dir():
+        if os.path.lexists(folder):
+            folder.unlink()
+        aside.rename(folder)
+
+
+def break_folder_after_writes(lora_file, folder: Path, after_writes: int, kind: str) -> None:
+    """Once the pack has written `after_writes` more safetensors files through `lora_file` (its
+    `trainer_core.lora_file` module: LoRAs, snapshots, checkpoint parts), `break_folder(folder)`,
+    once; 0 breaks it now. The hook removes itself when it has acted."""
+    if after_writes <= 0:
+        break_folder(folder, kind)
+        return
+    original = lora_file.save_file
+    writes = []
+
+    def save_file(*args, **kwargs):
+        result = original(*args, **kwargs)
+        writes.append(1)
+        if len(writes) == after_writes:
+            lora_file.save_file = original
+            break_folder(folder, kind)
+        return result
+
+    lora_file.save_file = save_file

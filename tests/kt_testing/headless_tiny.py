@@ -9,6 +9,7 @@ KTTest_SmallFluxVAE seed 1, KTTest_TinyCLIP seed 2): no stock loader detects a F
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -27,5 +28,20 @@ def load_tiny_models(files):
     return tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
 
 
+def load_tiny_models_breaking_a_folder(files):
+    """`load_tiny_models`, and `KT_TEST_BREAK_FOLDER` ("<after_writes>:<kind>") armed on the run's
+    models/loras (`kt_testing.bad_files.break_folder_after_writes`)."""
+    import folder_paths
+
+    from kt_testing.bad_files import BREAK_FOLDER_ENV, break_folder_after_writes
+
+    after_writes, kind = os.environ[BREAK_FOLDER_ENV].split(":", 1)
+    (lora_file,) = [m for name, m in sys.modules.items() if name.endswith("trainer_core.lora_file")]
+    loras = Path(folder_paths.get_folder_paths("loras")[0])
+    break_folder_after_writes(lora_file, loras, int(after_writes), kind)
+    return load_tiny_models(files)
+
+
 if __name__ == "__main__":
-    sys.exit(pack_cli().main(load_models=load_tiny_models))
+    loader = load_tiny_models_breaking_a_folder if "KT_TEST_BREAK_FOLDER" in os.environ else load_tiny_models
+    sys.exit(pack_cli().main(load_models=loader))

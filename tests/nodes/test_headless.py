@@ -408,3 +408,56 @@ def test_comfyuis_allocator_choice_comes_before_torch(tmp_path):
     assert result.returncode != 0 and str(missing) in result.stderr, result.stderr[-2000:]
     order = result.stderr.rsplit("ORDER", 1)[-1].split()
     assert order[:2] == ["cuda_malloc", "torch"], f"first imports, in order: {order}"
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_a_lora_folder_that_cannot_take_files_is_refused_before_anything_loads(files, tmp_path, kind):
+    """Issue 44: the command checks the LoRA folder with the other settings, before any model
+    loads, and names it (on de381c0 it trained, then spun for ever at the final save)."""
+    from kt_testing.bad_files import break_folder
+
+    base = tmp_path / "base"
+    loras = base / "models" / "loras"
+    loras.mkdir(parents=True)
+    break_folder(loras, kind)
+    config = write_config(tmp_path / "blocked.toml", base, files.dataset, files.cache, {"lora_name": "x"})
+    result = run(command(config), timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    what = "is a file, not a folder" if kind == "file" else "is a link to a missing place"
+    assert f"the LoRA folder cannot take this run's files: {loras} {what}" in result.stderr, result.stderr
+    assert "loading the model files" not in result.stdout  # refused before the models load
+
+
+@pytest.mark.parametrize("kind", ["file", "dangling link"])
+def test_a_lora_folder_gone_while_training_ends_the_command_at_its_last_step(files, tmp_path, kind):
+    """Issue 44: models/loras goes while the command trains (save_every 0: the final checkpoint
+    is its first write): it stops within seconds of its last step with one line naming the
+    folder and the checkpoint that holds the LoRA (on de381c0 it spun until SIGKILL)."""
+    from kt_testing.bad_files import BREAK_FOLDER_ENV
+
+    base = tmp_path / "base"
+    train = {"lora_name": "gone", "steps": 3, "save_every": 0}
+    config = write_config(tmp_path / "gone.toml", base, files.dataset, files.cache, train)
+    env = {**environment(), BREAK_FOLDER_ENV: f"3:{kind}"}  # after the final checkpoint's 3 files
+    process = subprocess.Popen(
+        command(config), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    last_step = None
+    for line in process.stdout:
+        if PROGRESS.match(line) and " 3/3 " in line:
+            last_step = time.monotonic()
+    try:
+        process.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        raise
+    ended = time.monotonic()
+    errors = process.stderr.read()
+    assert process.returncode == 2, errors
+    assert last_step is not None and ended - last_step < 10  # a save and a message; measured ~1 s
+    (final,) = checkpoints(base, "gone")
+    loras = base / "models" / "loras"
+    (line,) = [x for x in errors.splitlines() if "error:" in x]
+    assert f"could not write the LoRA at step 3 to {loras}: {loras} is " in line, line
+    assert f"the trained LoRA is complete in the final checkpoint, {final / 'lora.safetensors'}" in line
+    assert "make room" not in line

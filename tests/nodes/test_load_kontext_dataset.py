@@ -167,6 +167,9 @@ def test_the_node_writes_its_cache_only_in_comfyuis_output_and_temp_folders(pack
             f"cache_folder: '{outside}' is outside ComfyUI's output and temp folders, where this node "
             "may write; give a folder name"
         )
+    # issue 44: a NUL is refused for what it is, before the place is judged
+    with pytest.raises(ValueError, match=r"^cache_folder 'mine\\x00' contains an invisible control"):
+        datasets.resolve_cache_folder("mine\x00", output, confined)
 
 
 def test_a_loaded_dataset_trains(node, encoders, pack, tmp_path):

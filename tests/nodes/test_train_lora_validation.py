@@ -95,3 +95,57 @@ def checkpoint_folder(choice: str) -> Path:
     import folder_paths
 
     return Path(folder_paths.get_output_directory()) / "kontext_trainer_checkpoints" / choice
+
+
+def test_a_batch_larger_than_the_dataset_is_lowered_unless_a_checkpoint_trained_it_as_given(pack_import):
+    """Issue 44: `fit_batch` lowers batch_size to the training samples (with a note shown beside
+    the estimate); a resume continues its checkpoint's batch: a run that was lowered stays
+    lowered, and a checkpoint from before the rule (batch 8 on 2 samples, as given) resumes as
+    it trained, so its resume check still passes."""
+    service = pack_import("application.run_service")
+    training = pack_import("application.training_run")
+    config = pack_import("trainer_core.config").TrainConfig(batch_size=8)
+    dataset = type("Dataset", (), {"entries": [object(), object()]})()
+
+    def fitted(state):
+        request = service.RunRequest("x", config)
+        paths = pack_import("trainer_core.run_files").LoraPaths(Path("loras"), Path("checkpoints"), "x")
+        prepared = service.PreparedRun(request, training.Run(paths), state)
+        prepared.fit_batch(dataset)
+        return prepared.config.batch_size, prepared.run.notes
+
+    batch, notes = fitted(None)
+    assert batch == 2
+    note = "batch_size 8 is more than the dataset's 2 training sample(s): training with batch_size 2"
+    assert notes == [note]
+    assert fitted({"config": {"batch_size": 2}}) == (2, notes)  # the lowered run, resumed
+    assert fitted({"config": {"batch_size": 8}}) == (8, [])  # a checkpoint from before the rule
+
+
+def test_every_folder_a_run_writes_is_checked_before_it_starts(pack_import, tmp_path):
+    """Issue 44: with output/kontext_trainer_checkpoints a plain file and save_every 12, a run
+    trained 12 steps, then stopped with "Not a directory ... make room". Each folder a run
+    writes is checked first, and the refusal names it."""
+    policy = pack_import("application.run_policy")
+    paths = pack_import("trainer_core.run_files").LoraPaths(tmp_path / "loras", tmp_path / "checkpoints", "x")
+    policy.check_run_folders(paths)  # missing folders are made: nothing to refuse
+    assert paths.loras_dir.is_dir() and paths.checkpoints_root.is_dir()
+    assert not paths.snapshots.exists() and not paths.checkpoints.exists()  # made when written
+    for blocked, role in (
+        (paths.checkpoints_root, "the checkpoint folder"),
+        (paths.checkpoints, "the checkpoint folder"),
+        (paths.snapshots, "the snapshot folder"),
+        (paths.loras_dir, "the LoRA folder"),
+    ):
+        kept = blocked.with_name(blocked.name + ".kept")
+        if blocked.exists():
+            blocked.rename(kept)
+        blocked.write_text("a file")
+        with pytest.raises(ValueError) as caught:
+            policy.check_run_folders(paths)
+        assert str(caught.value).startswith(
+            f"{role} cannot take this run's files: {blocked} is a file, not a folder. Make {blocked} a folder"
+        )
+        blocked.unlink()
+        if kept.exists():
+            kept.rename(blocked)

@@ -233,3 +233,29 @@ def test_fingerprint_survives_a_broken_link(tmp_path):
     root = write_one_folder(tmp_path / "set", ["a"], references=0)
     (root / "gone.png").symlink_to(tmp_path / "nowhere.png")
     assert folder_fingerprint(root) == folder_fingerprint(root)
+
+
+def test_named_pipes_among_the_files_are_named_for_what_they_are(tmp_path):
+    """Issue 44: a FIFO caption was reported as "no caption file", a FIFO image as a missing
+    target or reference, a FIFO state.json as "missing state.json": say what they are (reading
+    one would block)."""
+    from trainer_core.checkpoint import read_state
+
+    root = write_one_folder(tmp_path / "set", ["a", "b"], references=1, size=(64, 64))
+    (root / "a.txt").unlink()
+    os.mkfifo(root / "a.txt")
+    (root / "b_control.png").unlink()
+    os.mkfifo(root / "b_control.png")
+    with pytest.raises(DatasetProblems) as caught:
+        scan_dataset(root)
+    message = str(caught.value)
+    assert f"{root / 'a.txt'}: is a named pipe (FIFO), not a caption file" in message
+    assert f"{root / 'b_control.png'}: is a named pipe (FIFO), not an image file" in message
+
+    checkpoint = tmp_path / "step_000001"
+    checkpoint.mkdir()
+    for name in ("lora.safetensors", "optimizer.safetensors", "rng.safetensors"):
+        (checkpoint / name).write_bytes(b"")
+    os.mkfifo(checkpoint / "state.json")
+    with pytest.raises(ValueError, match=r"not a checkpoint: state.json is a named pipe \(FIFO\)"):
+        read_state(checkpoint)

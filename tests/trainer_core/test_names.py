@@ -6,12 +6,12 @@ import re
 
 import pytest
 
-from trainer_core.names import lora_stem, written_names
+from trainer_core.names import MAX_PATH_BYTES, check_folder_path, lora_stem, written_names
 
 
 @pytest.mark.parametrize(
     ("name", "stem"),
-    [("my_edit", "my_edit"), ("  my edit v2 ", "my edit v2"), ("style.safetensors", "style"), ("a.b", "a.b")],
+    [("my_edit", "my_edit"), ("my edit v2", "my edit v2"), ("style.safetensors", "style"), ("a.b", "a.b")],
 )
 def test_good_names(name, stem):
     assert lora_stem(name) == stem
@@ -31,6 +31,14 @@ def test_good_names(name, stem):
         ("what?", "contains one of"),
         (".hidden", "starts with a dot"),
         ("x" * 121, "keep it under 120"),
+        # issue 44: used as typed or refused, never stripped; format characters as control ones
+        ("my lora ", "starts or ends with a space"),
+        (" my lora", "starts or ends with a space"),
+        ("\u202eexe.lora", "control or format character \\(U\\+202E\\)"),
+        ("a\u200bb", "U\\+200B"),
+        ("a\x7fb", "U\\+007F"),
+        ("a\nb", "U\\+000A"),
+        ("cf.", "ending in a dot"),
     ],
 )
 def test_bad_names_are_refused_with_a_reason(name, message):
@@ -67,3 +75,31 @@ def test_every_accepted_name_can_really_be_written(tmp_path):
     for name in written_names(stem):
         (tmp_path / name).write_bytes(b"")  # raises 'File name too long' if the check is too loose
     assert len(list(tmp_path.iterdir())) == len(written_names(stem))
+
+
+@pytest.mark.parametrize(
+    ("typed", "message"),
+    [
+        ("cache/CON", "'CON', a reserved device name"),
+        ("aux", "'aux', a reserved device name"),
+        ("cf.", "ending in a dot"),
+        ("my cache ", "starts or ends with a space"),
+        ("cache\nname", "U\\+000A"),
+        ("cache\x00", "U\\+0000"),
+        ("\u202ecache", "U\\+202E"),
+        ("/data/" + "c" * 300, "300 bytes in UTF-8"),
+        ("/data/" + "c/" * 2100, f"paths may have {MAX_PATH_BYTES}"),
+        ("   ", "only spaces"),
+    ],
+)
+def test_a_folder_the_user_types_passes_the_rule_lora_name_passes(typed, message):
+    """Issue 44: cache_folder took 'CON', 'cf.', a newline (a folder with a newline in its name)
+    and 300-character names (a raw 'File name too long' later); a NUL was refused as
+    'outside ComfyUI's output folder', the wrong reason."""
+    with pytest.raises(ValueError, match=f"^cache_folder.*{message}"):
+        check_folder_path("cache_folder", typed)
+
+
+def test_ordinary_folders_pass():
+    for typed in ("cache", "/data/my cache/v2", "~/kt cache", "../output/cache", "字幕/缓存"):
+        check_folder_path("cache_folder", typed)
