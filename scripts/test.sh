@@ -5,7 +5,8 @@
 # `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
 # `--quick` first (make test-quick): lint, trainer_core and the node layer without the
 # stock-size models, on ComfyUI 0.3.75 only; the loop for daily work, not a substitute for CI.
-# Every run prints its 25 slowest tests (--durations).
+# Every run prints its 25 slowest tests (--durations) and writes a JUnit report to .test-reports/;
+# a full run ends with the time per layer and the slowest files (scripts/durations.py).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
@@ -13,11 +14,12 @@ cd "$ROOT"
 .venv/bin/ruff check . || exit 1
 DURATIONS=(--durations=25 --durations-min=1)
 
-run_pytest() {  # label, then pytest arguments
+run_pytest() {  # label, then pytest arguments; a JUnit report per run in .test-reports/
     local label="$1" start=$SECONDS status
     shift
     echo "[test] ComfyUI $label"
-    .venv/bin/python -m pytest "${DURATIONS[@]}" "$@"
+    mkdir -p .test-reports
+    .venv/bin/python -m pytest "${DURATIONS[@]}" --junitxml=".test-reports/${label//[^A-Za-z0-9.]/-}.xml" "$@"
     status=$?
     echo "[test] ComfyUI $label: pytest finished in $((SECONDS - start)) s with exit code $status"
     if [[ $status -eq 5 ]]; then
@@ -50,4 +52,5 @@ KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
     run_pytest 0.33 tests/test_layers.py tests/families tests/nodes tests/e2e tests/gpu "$@"
 second=$?
 echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
+.venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75.xml .test-reports/0.33.xml || true
 [[ $first -eq 0 && $second -eq 0 ]]

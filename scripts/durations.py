@@ -1,0 +1,64 @@
+"""Where the suite's time goes: the JUnit reports `scripts/test.sh` writes into .test-reports/
+(one per ComfyUI run), summed per test file and per layer (a module's server boot counts in its
+first test's setup, so it lands on its file).
+
+    .venv/bin/python scripts/durations.py                 # every report in .test-reports/
+    .venv/bin/python scripts/durations.py --top 15 a.xml  # the 15 slowest files of one report
+
+Prints, per report: the total, each layer's total (tests/<layer>/...), then the slowest files
+(setup, call and teardown together) with their test counts: the table issue 40 asks for."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPORTS = Path(__file__).resolve().parents[1] / ".test-reports"
+
+
+def file_of(case: ET.Element) -> str:
+    """tests/<layer>/<file>.py of a test case (JUnit names it by dotted class path)."""
+    name = case.get("classname", "")
+    parts = name.split(".")
+    while parts and parts[-1][:1].isupper():  # test classes
+        parts.pop()
+    return "/".join(parts) + ".py" if parts else "?"
+
+
+def summary(report: Path, top: int) -> str:
+    root = ET.parse(report).getroot()
+    per_file: dict[str, float] = collections.defaultdict(float)
+    counts: dict[str, int] = collections.Counter()
+    for case in root.iter("testcase"):
+        where = file_of(case)
+        per_file[where] += float(case.get("time", 0))
+        counts[where] += 1
+    per_layer: dict[str, float] = collections.defaultdict(float)
+    for where, seconds in per_file.items():
+        parts = where.split("/")
+        per_layer["/".join(parts[:2]) if len(parts) > 2 else where] += seconds
+    total = sum(per_file.values())
+    lines = [f"{report.name}: {total:.0f} s in {sum(counts.values())} tests", ""]
+    lines += ["| layer | s |", "|---|---|"]
+    lines += [f"| {layer} | {s:.0f} |" for layer, s in sorted(per_layer.items(), key=lambda kv: -kv[1])]
+    lines += ["", "| file | tests | s |", "|---|---|---|"]
+    slowest = sorted(per_file.items(), key=lambda kv: -kv[1])[:top]
+    lines += [f"| {where} | {counts[where]} | {s:.0f} |" for where, s in slowest]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("reports", nargs="*", type=Path)
+    parser.add_argument("--top", type=int, default=25)
+    options = parser.parse_args()
+    reports = options.reports or sorted(REPORTS.glob("*.xml"))
+    if not reports:
+        raise SystemExit(f"no reports: run scripts/test.sh first (it writes {REPORTS}/*.xml)")
+    print("\n\n".join(summary(report, options.top) for report in reports))
+
+
+if __name__ == "__main__":
+    main()
