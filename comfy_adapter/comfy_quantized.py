@@ -77,7 +77,7 @@ def base_record(model) -> dict:
     return {**weight_formats(model.model.diffusion_model), "dynamic_vram": is_dynamic(model)}
 
 
-# The formats training has been proved on (tests/nodes/test_quantized_training.py): gradients
+# The formats training has been proved on (tests/comfy_adapter/test_quantized_training.py): gradients
 # through ComfyUI's own layer against a dequantized reference.
 TRAINED_FORMATS = ("float8_e4m3fn", "float8_e5m2", "nvfp4", "mxfp8", "int8_tensorwise")
 

@@ -3,8 +3,10 @@
 # layers that use ComfyUI (nodes, e2e, the GPU layer's skips) again on ComfyUI 0.33 where set-up
 # unpacked it (.comfyui-0.33/). Extra arguments go to both pytest runs, e.g.
 # `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
-# `--quick` first (make test-quick): lint, trainer_core and the node layer without the
-# stock-size models, on ComfyUI 0.3.75 only; the loop for daily work, not a substitute for CI.
+# `--quick` first (make test-quick): lint, trainer_core and the in-process layers (comfy_adapter,
+# nodes, families) without the stock-size models, on ComfyUI 0.3.75 only; the command line's
+# subprocess tests (tests/application, 5 of 9 minutes) wait for `make test`. The loop for daily
+# work, not a substitute for CI.
 # Every run prints its 25 slowest tests (--durations) and writes a JUnit report to .test-reports/;
 # a full run ends with the time per layer and the slowest files (scripts/durations.py).
 set -uo pipefail
@@ -31,7 +33,8 @@ run_pytest() {  # label, then pytest arguments; a JUnit report per run in .test-
 
 if [[ "${1:-}" == "--quick" ]]; then
     shift
-    run_pytest "0.3.75, quick" tests/test_layers.py tests/trainer_core tests/nodes -m "not slow" "$@"
+    run_pytest "0.3.75, quick" tests/test_layers.py tests/trainer_core tests/comfy_adapter tests/nodes \
+        tests/families -m "not slow" "$@"
     exit $?
 fi
 
@@ -49,7 +52,8 @@ if [[ ! -f "$COMFY_033/main.py" ]]; then
 fi
 KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
     PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
-    run_pytest 0.33 tests/test_layers.py tests/families tests/nodes tests/e2e tests/gpu "$@"
+    run_pytest 0.33 tests/test_layers.py tests/nodes tests/application tests/comfy_adapter tests/families \
+        tests/e2e tests/gpu "$@"
 second=$?
 echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
 .venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75.xml .test-reports/0.33.xml || true

@@ -1,5 +1,6 @@
-"""Shared fixtures. Layers are marked by folder: tests/nodes and tests/families -> `nodes`,
-tests/e2e -> `e2e`, tests/gpu -> `gpu`.
+"""Shared fixtures. Layers are marked by folder: tests/nodes, tests/application,
+tests/comfy_adapter and tests/families (ComfyUI in this process) -> `nodes`, tests/e2e -> `e2e`,
+tests/gpu -> `gpu`.
 
 `tests/trainer_core` never touches ComfyUI; the fixtures that boot it are only used by the
 other two layers.
@@ -17,7 +18,8 @@ TESTS_DIR = Path(__file__).resolve().parent
 def pytest_collection_modifyitems(config, items):
     for item in items:
         parts = Path(str(item.fspath)).resolve().relative_to(TESTS_DIR).parts
-        layer = {"families": "nodes"}.get(parts[0], parts[0])
+        in_process = {"families": "nodes", "application": "nodes", "comfy_adapter": "nodes"}
+        layer = in_process.get(parts[0], parts[0])
         if layer in ("nodes", "e2e", "gpu"):
             item.add_marker(getattr(pytest.mark, layer))
 

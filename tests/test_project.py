@@ -107,7 +107,8 @@ def test_node_tests_run_nodes_through_comfyuis_executor():
     tensors in place passed such tests and failed on every real run). Use kt_testing.executor's
     run_node / run_graph."""
     tests = REPO / "tests"
-    files = sorted((tests / "nodes").rglob("*.py")) + sorted((tests / "kt_testing").rglob("*.py"))
+    in_process = ("nodes", "application", "comfy_adapter", "families", "kt_testing")
+    files = [p for folder in in_process for p in sorted((tests / folder).rglob("*.py"))]
     offenders = []
     for path in files:
         name = path.relative_to(REPO).as_posix()

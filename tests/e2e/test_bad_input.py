@@ -189,3 +189,38 @@ def test_a_batch_larger_than_the_dataset_is_lowered_with_a_line_saying_so(server
     assert asked_8.replace(note + "; ", "") == asked_2  # the same estimate as a run of batch 2
     assert metadata["ss_batch_size_per_device"] == metadata_2["ss_batch_size_per_device"] == "2"
     assert metadata["ss_total_batch_size"] == "2"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("lora_name", "kt_spaced ", "lora_name 'kt_spaced ' starts or ends with a space; remove the space"),
+        ("lora_name", "\u202ekt_reversed", "contains an invisible control or format character (U+202E)"),
+        ("cache_folder", "kt_cache/CON", "cache_folder 'kt_cache/CON' uses 'CON', a reserved device name"),
+        ("cache_folder", "kt_cache\x00", "contains an invisible control or format character (U+0000)"),
+        ("cache_folder", "kt_cache.", "has a name ending in a dot"),
+    ],
+)
+def test_names_are_used_as_typed_or_refused_by_one_rule(server, good_set, field, value, expected):
+    """Issue 44: a trailing space was stripped silently, a right-to-left override accepted (the
+    name showed reversed in every list), and cache_folder took CON, 'cf.' and a NUL was
+    refused for being outside the output folder. One rule for both, before anything is
+    written."""
+    graph = training_graph(good_set, "kt_named_by_rule", steps=1)
+    graph["5" if field == "lora_name" else "4"]["inputs"][field] = value
+    message = run_failing(server, graph)
+    assert expected in message, message
+    assert not (server.base_dir / "output" / "kt_cache").exists()
+    assert not any("kt_spaced" in p.name or "kt_reversed" in p.name for p in loras(server).glob("*"))
+
+
+def test_a_named_pipe_for_a_caption_is_named_for_what_it_is(server, tmp_path):
+    """Issue 44: a FIFO caption was reported as "no caption file" (and reading one blocks)."""
+    import os
+
+    root = write_one_folder(tmp_path / "set", ["a", "b"], size=(64, 64))
+    (root / "a.txt").unlink()
+    os.mkfifo(root / "a.txt")
+    message = run_failing(server, training_graph(root, "kt_fifo_caption", steps=1))
+    expected = f"{root / 'a.txt'}: is a named pipe (FIFO), not a caption file; replace it with a text file"
+    assert expected in message, message

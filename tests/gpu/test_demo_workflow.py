@@ -12,7 +12,6 @@ import pytest
 
 TRAINING = Path("example_workflows") / "api" / "kontext_lora_training.json"
 INFERENCE = Path("example_workflows") / "api" / "kontext_lora_inference.json"
-GPU_NODES = {"kt_gpu_nodes": Path(__file__).resolve().parent / "kt_gpu_nodes"}
 
 
 def node_of(workflow: dict, class_type: str) -> str:
@@ -31,13 +30,14 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
     change the model's output."""
     import demo_assets
     import demo_dataset
-    from kt_testing.paths import REPO_ROOT
+    from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
     from kt_testing.runs import progress_events
     from kt_testing.server import ComfyServer
     from trainer_core.lora_file import load
 
     device = "cuda" if gpu.cuda else "cpu"
-    with ComfyServer(tmp_path / "base", extra_packs=GPU_NODES, device=device, start_timeout=300) as server:
+    server = ComfyServer(tmp_path / "base", extra_packs=TEST_NODE_PACKS, device=device, start_timeout=300)
+    with server:
         assert server.get_json("/system_stats")["devices"][0]["type"] == device
         demo_assets.link_into_models(stock_assets, server.base_dir / "models")
         demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo")
@@ -64,7 +64,7 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
                 "class_type": "LoraLoaderModelOnly",
                 "inputs": {"model": ["1", 0], "lora_name": lora_name, "strength_model": 1.0},
             },
-            "3": {"class_type": "KTTest_GPULoraPatches", "inputs": {"model": ["2", 0], "base": ["1", 0]}},
+            "3": {"class_type": "KTTest_LoraPatches", "inputs": {"model": ["2", 0], "base": ["1", 0]}},
         }
         probe_id, probe_messages = server.run_prompt(probe, timeout=300)
         succeeded(probe_messages)

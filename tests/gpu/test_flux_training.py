@@ -125,7 +125,7 @@ def test_a_partial_load_trains_like_a_full_load(gpu, mods, deterministic, with_l
             assert len(model.patches) == len(layers)  # every LoRA key found its weight
         # a quarter of the weights, plus what ComfyUI keeps free for its offload buffer (on
         # NVIDIA 3x the largest layer, a LoRA-patched one with its patch estimate: with half the
-        # weights alone it left every layer behind, see tests/nodes/test_device_paths.py)
+        # weights alone it left every layer behind, see tests/comfy_adapter/test_device_paths.py)
         budget = model.model_size() // 4 + offload_reserve(model)
         limit = weights_budget(budget, gpu.dry_run) if partial else contextlib.nullcontext()
         with limit, mods.ft.lora_session(model, config) as session:

@@ -198,6 +198,34 @@ class BreakFolder:
         return (model,)
 
 
+class LoraPatches:
+    """How many weight keys `model` has patched beyond `base`, the largest difference of their
+    outputs (`output_on_its_device`: any FLUX.1, on its own load device, a GPU too), and that
+    device (UI output)."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ()
+    FUNCTION = "compare"
+    OUTPUT_NODE = True
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {"required": {"model": ("MODEL",), "base": ("MODEL",)}}
+
+    def compare(self, model, base):
+        from kt_testing.probes import output_on_its_device
+
+        added = set(model.patches) - set(base.patches)
+        with_lora, without = output_on_its_device(model), output_on_its_device(base)
+        return {
+            "ui": {
+                "patched_keys": [len(added)],
+                "difference": [float((with_lora - without).abs().max())],
+                "device": [str(model.load_device)],
+            }
+        }
+
+
 class ModelDifference:
     """Max |difference| of two MODELs' outputs on a fixed input, shown as UI output."""
 
@@ -333,6 +361,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_DiskFull": DiskFull,
     "KTTest_BreakFolder": BreakFolder,
     "KTTest_ModelDifference": ModelDifference,
+    "KTTest_LoraPatches": LoraPatches,
     "KTTest_MappedWeights": MappedWeights,
     "KTTest_AnonymousMemory": AnonymousMemory,
     "KTTest_VbarGeometry": VbarGeometry,

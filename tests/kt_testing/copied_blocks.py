@@ -1,5 +1,5 @@
 """The pack's former out-of-place copy of ComfyUI 0.3.75's Flux block forwards, kept only as a
-test reference: `tests/nodes/test_flux_training.py` proves that training ComfyUI's own blocks
+test reference: `tests/families/flux/test_flux_training.py` proves that training ComfyUI's own blocks
 (`comfy_adapter/families/flux/blocks.py`) gives exactly this copy's gradients on 0.3.75. The forwards run the
 block's own submodules and ComfyUI's own `attention` in the block's order, with every residual
 added out of place. They read `flipped_img_txt`, which ComfyUI 0.33's blocks no longer have:

@@ -68,6 +68,29 @@ def model_output(
         return model.model.apply_model(x, torch.tensor([sigma]), transformer_options=options, **cond)
 
 
+def output_on_its_device(model, seed: int = 0, sigma: float = 0.5) -> torch.Tensor:
+    """`model_output` for any FLUX.1 (the tiny one, the demo's, a user's): the input sizes read
+    off the model, the inputs on the model's load device (a GPU where it runs on one)."""
+    import comfy.model_management
+
+    comfy.model_management.load_models_gpu([model])
+    params = model.model.diffusion_model.params
+    device = model.load_device
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, params.in_channels, 16, 16, generator=gen)
+    cond = {
+        "c_crossattn": torch.randn(1, 16, params.context_in_dim, generator=gen).to(device),
+        "y": torch.randn(1, params.vec_in_dim, generator=gen).to(device),
+        "guidance": torch.tensor([1.0], device=device),
+    }
+    options = model.model_options["transformer_options"]
+    with torch.no_grad():
+        out = model.model.apply_model(
+            x.to(device), torch.tensor([sigma], device=device), transformer_options=options, **cond
+        )
+    return out.float().cpu()
+
+
 def flux2_inputs(target, refs, seed=0, text=7) -> dict:
     """Seeded inputs for the tiny FLUX.2's own forward: a (1, 128, *target) latent, its
     references, timestep 0.6, a (1, text, 48) context and guidance 4."""

@@ -1,5 +1,5 @@
 """Peak host memory of one real training step (forward + backward through `lora_session`)
-of the tiny Flux on the CPU, at several latent sizes: what `tests/nodes/test_vram_measured.py`
+of the tiny Flux on the CPU, at several latent sizes: what `tests/comfy_adapter/test_vram_measured.py`
 compares the VRAM estimator's activation term with.
 
 Run as its own process (`python -m kt_testing.step_memory SIZE...`, with

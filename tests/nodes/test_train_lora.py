@@ -213,7 +213,7 @@ def test_checkpoints_of_the_old_folders_still_resume(mods, dataset):
 def test_a_damaged_checkpoint_is_not_offered_and_is_refused_by_file(mods, dataset, caplog):
     """A checkpoint whose optimizer file a crash truncated: resume_from no longer lists it (the
     log names the file), and a prompt that still names it is refused in one line naming the
-    file, before anything trains (the command line: tests/nodes/test_headless.py)."""
+    file, before anything trains (the command line: tests/application/test_headless.py)."""
     train(mods, dataset, "kt_damaged", steps=2, save_every=1, seed=2)
     run = next(checkpoints_dir("kt_damaged").iterdir())
     choices = [c for c in mods.node.resume_choices() if c.startswith("kt_damaged/")]

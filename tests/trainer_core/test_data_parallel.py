@@ -1,7 +1,7 @@
 """Data parallelism in the trainer core: N gloo processes, each training its rows of every
 global batch and summing gradients with `distributed.Collective`, take exactly the steps of
 one process training the global batch (the headless command's torchrun tests check the same
-through the whole trainer; see tests/nodes/test_headless_parallel.py)."""
+through the whole trainer; see tests/application/test_headless_parallel.py)."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ fp8 ladder for FLUX.1 LoRA training at 1024 px (sd-scripts: 24 GB batch 2 with n
 12 GB with 16, 10 GB with 22, 8 GB with 28 of its swap units, where one unit is one double
 block or two single blocks). They are fitted, not measured here: `tests/trainer_core/test_vram.py`
 checks the estimate against the same ladder it was fitted to, so it guards against drift, not
-error. What this code does measure is `tests/nodes/test_vram_measured.py`: the peak host memory
+error. What this code does measure is `tests/comfy_adapter/test_vram_measured.py`: the peak host memory
 of a real CPU training step of the tiny Flux (torch SDPA attention, float32) grows with the
 tokens as the activation term says (ratios within 1.2x), checkpointing saves what it says
 (within 1.5x), and the bytes per token and channel are within 2x of BLOCK_WORKING_BYTES (x2 for

@@ -1,7 +1,7 @@
 """The headless command (`python -m trainer_core train --config run.toml`) as a user runs it:
 a subprocess booting ComfyUI without a server, with a config written by hand. The models are
 the test nodes' tiny ones (`kt_testing/headless_tiny.py`; the stock loaders' path is
-tests/nodes/test_headless_stock.py); everything else is the command's own code.
+tests/application/test_headless_stock.py); everything else is the command's own code.
 
 Checked: it trains what the graph trains (same losses as TrainLoRA in ComfyUI's executor) and
 writes the node's files; Ctrl-C stops with a checkpoint and the resume gives exactly the

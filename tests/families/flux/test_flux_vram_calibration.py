@@ -10,7 +10,7 @@ import pytest
 
 from kt_testing.comfy_runtime import from_the_pack
 
-TABLE = json.loads((Path(__file__).resolve().parents[2] / "bench" / "vram_peaks.json").read_text())
+TABLE = json.loads((Path(__file__).resolve().parents[3] / "bench" / "vram_peaks.json").read_text())
 ROWS = TABLE["rows"]
 
 

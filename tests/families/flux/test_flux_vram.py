@@ -3,7 +3,7 @@ sizes and the published fp8 ladder for FLUX.1 LoRA training at 1024 px (sd-scrip
 2 without swap; 12 / 10 / 8 GB with 16 / 22 / 28 of its swap units, one unit being a double block
 or two single blocks; and "> 26 GB" without fp8). The estimator's constants were fitted to this
 same ladder, so these tests hold it to its fit (and to the hand-computed sizes); the comparison
-with memory this code measures is tests/nodes/test_vram_measured.py."""
+with memory this code measures is tests/comfy_adapter/test_vram_measured.py."""
 
 from __future__ import annotations
 
