@@ -79,8 +79,10 @@ def remedy(error: BaseException, where: Path) -> str:
     code = write_errno(error)
     if code in (errno.ENOSPC, errno.EDQUOT):
         return "make room"
-    if code in (errno.ENOTDIR, errno.EEXIST):
+    if code == errno.ENOTDIR:
         return f"make {where} a folder again (or point ComfyUI at one)"
+    if code == errno.EEXIST:  # every free name taken (`save_lora`)
+        return f"move or rename the files of that name in {where}"
     if code in (errno.EACCES, errno.EPERM):
         return f"give ComfyUI permission to write in {where}"
     if code == errno.EROFS:
