@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..comfy_adapter.comfy_encoders import comfy_encoders
+from ..trainer_core.atomic import folder_problem
 from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
 from ..trainer_core.dataset_files import scan_dataset, within
 from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
@@ -72,19 +73,15 @@ def resolve_cache_folder(
 
 
 def prepare_cache_folder(cache_root: Path) -> None:
-    """The cache folder exists and takes files, or a message naming the field and the fix."""
-    try:
-        EncodeCache(cache_root).prepare()
-    except OSError as error:
-        existing = next((p for p in (cache_root, *cache_root.parents) if p.exists()), None)
-        if existing is not None and not existing.is_dir():
-            reason = f"{existing} is a file, not a folder"
-        else:
-            reason = error.strerror or str(error)
+    """The cache folder exists (made if missing) and takes files, before anything is encoded (a
+    failure halfway through would waste the encoding done so far), or a message naming the
+    field and the fix."""
+    problem = folder_problem(cache_root)
+    if problem is not None:
         raise ValueError(
-            f"cache_folder: cannot create or write to {cache_root} ({reason}); give a folder ComfyUI "
+            f"cache_folder: cannot create or write to {cache_root} ({problem}); give a folder ComfyUI "
             f"may create and write to, or leave cache_folder empty to use output/{CACHE_FOLDER_NAME}"
-        ) from None
+        )
 
 
 def summary(dataset: KontextDataset) -> str:

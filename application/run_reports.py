@@ -103,12 +103,12 @@ def failed_save(
     if isinstance(error, SafetensorError) and "IoError" not in str(error):
         raise error
     fix = remedy(error, where)
-    resume = (resume or (
+    resume = resume or (
         f"nothing saved before is lost: the newest complete checkpoint is {newest}; {fix} and "
         "resume from it (resume_from)"
         if newest
         else f"no checkpoint of this run was complete yet; {fix} and start it again"
-    )).replace("{fix}", fix)
+    )
     return SaveFailed(
         f"could not write the {what} at step {step} to {where}: {write_problem(error)}; {resume}", step
     )

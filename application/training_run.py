@@ -54,6 +54,7 @@ from .run_reports import (
     announce_estimate,
     failed_save,
     out_of_memory,
+    remedy,
     start_tracking,
 )
 
@@ -352,7 +353,8 @@ class TrainingRun:
         except WRITE_ERRORS as error:
             kept = (
                 f"the trained LoRA is complete in the final checkpoint, {final / 'lora.safetensors'} "
-                "(float32): {fix}, then copy it into models/loras, or resume that checkpoint with more steps"
+                f"(float32): {remedy(error, self.paths.loras_dir)}, then copy it into models/loras, or "
+                "resume that checkpoint with more steps"
             )
             raise failed_save("LoRA", self.paths.loras_dir, config.steps, error, None, kept) from None
         if self.saved_paths == self.paths:  # this run replaces the name's earlier run now

@@ -33,9 +33,14 @@ def ensure_folder(folder: Path) -> None:
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except FileExistsError:
-        standing = (p for p in (folder, *folder.parents) if os.path.lexists(p) and not p.is_dir())
-        blocker = next(standing, folder)
+        blocker = blocking_path(folder) or folder
         raise NotADirectoryError(errno.ENOTDIR, f"{blocker} {what_is_there(blocker)}", str(folder)) from None
+
+
+def blocking_path(folder: Path) -> Path | None:
+    """The first of `folder` and its parents that is there but no folder (a file, a link to a
+    missing place, a pipe), or None."""
+    return next((p for p in (folder, *folder.parents) if os.path.lexists(p) and not p.is_dir()), None)
 
 
 def what_is_there(path: Path) -> str:
@@ -53,8 +58,7 @@ def folder_problem(folder: Path, create: bool = True) -> str | None:
     words naming the path ("/x/models/loras is a file, not a folder"). The probe is a temp
     file, removed at once."""
     folder = Path(folder)
-    standing = (p for p in (folder, *folder.parents) if os.path.lexists(p) and not p.is_dir())
-    blocker = next(standing, None)
+    blocker = blocking_path(folder)
     if blocker is not None:
         return f"{blocker} {what_is_there(blocker)}"
     probe_in = folder

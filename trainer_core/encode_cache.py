@@ -14,7 +14,6 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from .atomic import ensure_folder, new_temp_file
 from .lora_file import load, save_atomic
 
 # Bump when the image pipeline (decode, conversions, resize) changes what is encoded.
@@ -43,13 +42,6 @@ class EncodeCache:
         self.root = Path(root)
         self.hits = 0
         self.misses = 0
-
-    def prepare(self) -> None:
-        """Create the cache folder and prove a file can be written there, before anything is
-        encoded (a failure halfway through would waste the encoding done so far). Raises the
-        OSError as it comes."""
-        ensure_folder(self.root)
-        new_temp_file(self.root / "write_test").unlink()
 
     def path(self, kind: str, key: str) -> Path:
         if kind not in KINDS:
