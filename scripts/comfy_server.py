@@ -110,6 +110,7 @@ class ComfyServer:
         self.log_path = self.base_dir / "server.log"
         self.start_timeout = start_timeout
         self.process: subprocess.Popen | None = None
+        self._retries_left = 3
         self.env = dict(env or {})
         self.args = tuple(args)
 
@@ -152,14 +153,32 @@ class ComfyServer:
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
+                if self.port_was_taken and self._retries_left > 0:  # by another process since free_port
+                    self._retries_left -= 1
+                    self._log.close()
+                    self.port = free_port()
+                    self.url = f"http://127.0.0.1:{self.port}"
+                    return self.start()
                 raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log()[-4000:]}")
             try:
                 self.get_json("/system_stats", timeout=2)
-                return
+                if self.listening_line in self.log():  # our server answered, not one started beside
+                    return
             except (urllib.error.URLError, ConnectionError, TimeoutError):
-                time.sleep(0.3)
+                pass
+            time.sleep(0.3)
         self.stop()
         raise TimeoutError(f"ComfyUI did not answer within {self.start_timeout} s:\n{self.log()[-4000:]}")
+
+    @property
+    def listening_line(self) -> str:
+        """What ComfyUI logs once it listens on our port (0.3.75 and 0.33)."""
+        return f"To see the GUI go to: http://127.0.0.1:{self.port}\n"
+
+    @property
+    def port_was_taken(self) -> bool:
+        """The port `free_port` found was taken before ComfyUI bound it (another test run's server)."""
+        return "address already in use" in self.log().lower()
 
     def stop(self) -> None:
         if self.process is None:

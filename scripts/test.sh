@@ -43,17 +43,29 @@ if [[ -n "${KONTEXT_TRAINER_COMFYUI:-}" ]]; then
     exit $?
 fi
 
-run_pytest 0.3.75 "$@"
-first=$?
 COMFY_033="$ROOT/.comfyui-0.33"
 if [[ ! -f "$COMFY_033/main.py" ]]; then
     echo "[test] ComfyUI 0.33 is not set up (no source tarball): tested on 0.3.75 only"
-    exit $first
+    run_pytest 0.3.75 "$@"
+    exit $?
 fi
+# The two ComfyUIs run at once, each in its own temporary folder (pytest's numbered folders
+# are shared by every run of this user), their lines prefixed; a server's port is checked to
+# be its own (scripts/comfy_server.py). Tests whose subject does not depend on ComfyUI's
+# version (marker `version_independent`) run once, on 0.33: the ComfyUI users run today.
+TEMP="$(mktemp -d "${TMPDIR:-/tmp}/kt-tests.XXXXXX")"
+trap 'rm -rf "$TEMP"' EXIT
+KT_VERSION_INDEPENDENT_ELSEWHERE=1 run_pytest 0.3.75 --basetemp="$TEMP/0.3.75" "$@" 2>&1 \
+    | sed -u 's/^/[0.3.75] /' &
+first_pid=$!
 KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
     PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
-    run_pytest 0.33 tests/test_layers.py tests/nodes tests/application tests/comfy_adapter tests/families \
-        tests/e2e tests/gpu "$@"
+    run_pytest 0.33 --basetemp="$TEMP/0.33" tests/test_layers.py tests/nodes tests/application \
+        tests/comfy_adapter tests/families tests/e2e tests/gpu "$@" 2>&1 | sed -u 's/^/[0.33] /' &
+second_pid=$!
+wait $first_pid
+first=$?
+wait $second_pid
 second=$?
 echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
 .venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75.xml .test-reports/0.33.xml || true

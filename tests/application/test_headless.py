@@ -114,6 +114,7 @@ def last_average(stdout: str) -> str:
     return re.search(r"\(avg ([\d.]+)\)", bar[-1]).group(1)
 
 
+@pytest.mark.version_independent
 def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
     _, losses, lora = uninterrupted
     config = write_config(
@@ -167,6 +168,7 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
         assert torch.equal(resumed_lora[key], value), key
 
 
+@pytest.mark.version_independent
 def test_checkpoints_cross_between_the_graph_and_the_command(uninterrupted, files, comfy_runtime):
     """A graph run continued headless, and that headless run continued in the graph: both
     follow the uninterrupted run."""
@@ -195,6 +197,7 @@ def test_checkpoints_cross_between_the_graph_and_the_command(uninterrupted, file
     assert graph["loss"] == pytest.approx(losses[:9], rel=1e-5)
 
 
+@pytest.mark.version_independent
 def test_a_bad_config_names_the_key_and_the_fix(files):
     config = write_config(
         files.root / "bad.toml", files.base, files.dataset, files.cache, {"lora_name": "bad", "stepz": 5}
@@ -225,6 +228,7 @@ def test_a_bad_config_names_the_key_and_the_fix(files):
     assert "loading the model files" not in result.stdout
 
 
+@pytest.mark.version_independent
 def test_an_existing_lora_is_refused_before_anything_loads(uninterrupted, files):
     config = write_config(
         files.root / "again.toml", files.base, files.dataset, files.cache, {"lora_name": "full", "steps": 2}
@@ -235,6 +239,7 @@ def test_an_existing_lora_is_refused_before_anything_loads(uninterrupted, files)
     assert "loading the model files" not in result.stdout  # refused before the models load
 
 
+@pytest.mark.version_independent
 def test_a_model_that_cannot_train_the_run_is_blamed_on_the_model_section(files):
     # index_timestep_zero is FLUX.2 only; the tiny model is a FLUX.1: the model's fault, not [train]'s
     config = write_config(
@@ -252,6 +257,7 @@ def test_a_model_that_cannot_train_the_run_is_blamed_on_the_model_section(files)
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.version_independent
 def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_file(uninterrupted, files, tmp_path):
     import shutil
 
@@ -274,6 +280,7 @@ def test_a_damaged_checkpoint_is_refused_in_one_line_naming_its_file(uninterrupt
     assert "loading the model files" not in result.stdout  # refused before anything loads
 
 
+@pytest.mark.version_independent
 def test_a_start_lora_with_nan_weights_is_named_not_blamed_on_comfyui(files, tmp_path):
     from safetensors.torch import save_file
 
@@ -296,6 +303,7 @@ def test_a_start_lora_with_nan_weights_is_named_not_blamed_on_comfyui(files, tmp
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.version_independent
 def test_a_missing_base_directory_is_refused_first_and_nothing_is_created(files, tmp_path):
     missing = tmp_path / "no_such_comfyui"
     config = write_config(
@@ -312,6 +320,7 @@ def test_a_missing_base_directory_is_refused_first_and_nothing_is_created(files,
     assert not missing.exists()  # the boot did not make ComfyUI's folders in it
 
 
+@pytest.mark.version_independent
 def test_a_start_lora_that_is_not_safetensors_is_refused_before_anything_loads(files, tmp_path):
     pickled = tmp_path / "old.ckpt"
     pickled.write_bytes(b"not read")
@@ -328,6 +337,7 @@ def test_a_start_lora_that_is_not_safetensors_is_refused_before_anything_loads(f
     assert "loading the model files" not in result.stdout
 
 
+@pytest.mark.version_independent
 def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_not_exact(
     uninterrupted, files
 ):
@@ -356,6 +366,7 @@ def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_
     assert "no longer exactly the uninterrupted run's" in said
 
 
+@pytest.mark.version_independent
 def test_a_log_gets_one_line_per_step(comfy_runtime):
     """Issue 33: the command printed step 12 twice (again when the preview after it changed the
     ETA)."""
@@ -410,6 +421,7 @@ def test_comfyuis_allocator_choice_comes_before_torch(tmp_path):
     assert order[:2] == ["cuda_malloc", "torch"], f"first imports, in order: {order}"
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("kind", ["file", "dangling link"])
 def test_a_lora_folder_that_cannot_take_files_is_refused_before_anything_loads(files, tmp_path, kind):
     """Issue 44: the command checks the LoRA folder with the other settings, before any model
@@ -428,6 +440,7 @@ def test_a_lora_folder_that_cannot_take_files_is_refused_before_anything_loads(f
     assert "loading the model files" not in result.stdout  # refused before the models load
 
 
+@pytest.mark.version_independent
 @pytest.mark.parametrize("kind", ["file", "dangling link"])
 def test_a_lora_folder_gone_while_training_ends_the_command_at_its_last_step(files, tmp_path, kind):
     """Issue 44: models/loras goes while the command trains (save_every 0: the final checkpoint

@@ -103,11 +103,9 @@ def watch_for_problems(page) -> None:
     page.forget_problems = forget_problems
 
 
-@pytest.fixture
-def comfy_page(chromium, server):
-    """The real ComfyUI frontend, loaded, with the pack's extensions registered. Tests end
-    with `assert not comfy_page.ui_problems()` (errors, dialogs and toasts the user would see)
-    after `comfy_page.forget_problems()` once the page has settled."""
+def open_comfy_page(chromium, server):
+    """A new page with the real ComfyUI frontend loaded and the pack's extensions and every node
+    type registered, its problems watched (`watch_for_problems`)."""
     page = chromium.new_page()
     watch_for_problems(page)
     page.goto(server.url)
@@ -123,6 +121,26 @@ def comfy_page(chromium, server):
         arg=node_types,
         timeout=60_000,
     )
+    return page
+
+
+@pytest.fixture
+def comfy_page(chromium, server):
+    """The real ComfyUI frontend, loaded, with the pack's extensions registered. Tests end
+    with `assert not comfy_page.ui_problems()` (errors, dialogs and toasts the user would see)
+    after `comfy_page.forget_problems()` once the page has settled."""
+    page = open_comfy_page(chromium, server)
+    yield page
+    page.close()
+
+
+@pytest.fixture(scope="module")
+def module_page(chromium, server):
+    """`comfy_page` shared by the tests of one module, for tests that each open a workflow in a
+    tab of their own (a page start costs 5-8 s on 2 cores; opening a workflow well under one).
+    Each test starts with `forget_problems()` and `kt_testing.frontend.blank_canvas` where it needs the canvas
+    empty, and takes off any listener it adds."""
+    page = open_comfy_page(chromium, server)
     yield page
     page.close()
 

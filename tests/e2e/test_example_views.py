@@ -54,11 +54,11 @@ def demo_makes(name: str) -> bool:
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_an_example_opens_readable_with_its_note_and_fixed_seeds(comfy_page, server, path):
+def test_an_example_opens_readable_with_its_note_and_fixed_seeds(module_page, server, path):
     workflow = json.loads(path.read_text())
     user_images(server.base_dir / "input")
-    comfy_page.forget_problems()
-    seen = comfy_page.evaluate(OPEN_JS, [workflow, path.stem])
+    module_page.forget_problems()
+    seen = module_page.evaluate(OPEN_JS, [workflow, path.stem])
     assert seen["scale"] >= TEXT_ZOOM, f"{path.name} opens at {seen['scale']:.2f}: nodes drawn without text"
     assert len(seen["notes"]) == 1, f"{path.name} has no note saying what it does and needs"
     note = seen["notes"][0]
@@ -69,8 +69,8 @@ def test_an_example_opens_readable_with_its_note_and_fixed_seeds(comfy_page, ser
             if not demo_makes(name) and not name.startswith(("flux2_lora", "kontext_demo")):
                 assert name.removesuffix(".safetensors") in note, f"{path.name}: the note never names {name}"
     assert all(value == "fixed" for value in seen["seeds"]), f"{path.name}: seeds {seen['seeds']}"
-    comfy_page.wait_for_timeout(500)  # LoadImage previews load on the next ticks
-    assert not comfy_page.ui_problems(), comfy_page.ui_problems()
+    module_page.wait_for_timeout(500)  # LoadImage previews load on the next ticks
+    assert not module_page.ui_problems(), module_page.ui_problems()
 
 
 def test_every_sampler_of_the_examples_keeps_its_seed():

@@ -11,6 +11,7 @@ import json
 
 import pytest
 
+from kt_testing.frontend import blank_canvas
 from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "example_workflows"
@@ -105,15 +106,15 @@ def test_training_examples_preview_and_show_the_dataset_report(path):
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
+def test_workflow_loads_and_converts_to_a_prompt(module_page, server, path):
     workflow = json.loads(path.read_text())
     known = server.get_json("/object_info")
     missing = sorted({node["type"] for node in workflow["nodes"]} - set(known) - FRONTEND_ONLY)
     assert not missing, f"{path.name} uses node types this ComfyUI lacks: {missing}"
 
     user_files(server)
-    comfy_page.forget_problems()  # what happened while the page started
-    prompt = comfy_page.evaluate(
+    module_page.forget_problems()  # what happened while the page started
+    prompt = module_page.evaluate(
         """async (workflow) => {
             const app = window.comfyAPI.app.app;
             await app.loadGraphData(workflow);
@@ -153,45 +154,49 @@ def test_workflow_loads_and_converts_to_a_prompt(comfy_page, server, path):
         output = 0 if samples else 1
         consumers = [v for v in prompt.values() if [node_id, output] in v["inputs"].values()]
         assert consumers, f"output {output} of node {node_id} is not used"
-    assert not problems(comfy_page), problems(comfy_page)
+    assert not problems(module_page), problems(module_page)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_opening_the_template_shows_no_problem(comfy_page, server, path):
+def test_opening_the_template_shows_no_problem(module_page, server, path):
     """Templates -> Extensions -> the pack -> the workflow's card, as a user clicks it."""
     listed = server.get_json("/workflow_templates")[PACK_DIR_NAME]
     assert path.stem in listed
     user_files(server)
-    comfy_page.forget_problems()  # what happened while the page started
+    blank_canvas(module_page)
+    module_page.forget_problems()  # what happened while the page started
     fetched = []
-    comfy_page.on(
-        "response",
-        lambda r: (
-            fetched.append(r.status)
-            if r.url.endswith(f"/api/workflow_templates/{PACK_DIR_NAME}/{path.name}")
-            else None
-        ),
-    )
-    comfy_page.evaluate(
-        "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.BrowseTemplates')"
-    )
-    comfy_page.get_by_role("button", name=PACK_DIR_NAME, exact=True).click()
-    card = comfy_page.locator(f'[data-testid="template-workflow-{path.stem}"]')
-    # Thumbnails load as their card scrolls into view (more cards than fit on one screen).
-    card.scroll_into_view_if_needed()
-    card.locator("img").first.wait_for(state="visible")  # the thumbnail is there
-    card.click()
-    wait_for_graph(comfy_page, json.loads(path.read_text()))
+
+    def on_response(response):
+        if response.url.endswith(f"/api/workflow_templates/{PACK_DIR_NAME}/{path.name}"):
+            fetched.append(response.status)
+
+    module_page.on("response", on_response)
+    try:
+        module_page.evaluate(
+            "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.BrowseTemplates')"
+        )
+        module_page.get_by_role("button", name=PACK_DIR_NAME, exact=True).click()
+        card = module_page.locator(f'[data-testid="template-workflow-{path.stem}"]')
+        # Thumbnails load as their card scrolls into view (more cards than fit on one screen).
+        card.scroll_into_view_if_needed()
+        card.locator("img").first.wait_for(state="visible")  # the thumbnail is there
+        card.click()
+        wait_for_graph(module_page, json.loads(path.read_text()))
+        card.wait_for(state="detached")  # the template browser closed on the choice
+    finally:
+        module_page.remove_listener("response", on_response)
     assert fetched == [200]
-    assert not problems(comfy_page), (problems(comfy_page), comfy_page.unresolved_hosts)
+    assert not problems(module_page), (problems(module_page), module_page.unresolved_hosts)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
-def test_dropping_the_file_on_the_canvas_shows_no_problem(comfy_page, server, path):
+def test_dropping_the_file_on_the_canvas_shows_no_problem(module_page, server, path):
     """A real `drop` event with the file on the canvas: the frontend's own drop handler."""
     user_files(server)
-    comfy_page.forget_problems()  # what happened while the page started
-    comfy_page.evaluate(
+    blank_canvas(module_page)
+    module_page.forget_problems()  # what happened while the page started
+    module_page.evaluate(
         """([text, name]) => {
             const transfer = new DataTransfer();
             transfer.items.add(new File([text], name, { type: "application/json" }));
@@ -204,8 +209,8 @@ def test_dropping_the_file_on_the_canvas_shows_no_problem(comfy_page, server, pa
         }""",
         [path.read_text(), path.name],
     )
-    wait_for_graph(comfy_page, json.loads(path.read_text()))
-    assert not problems(comfy_page), problems(comfy_page)
+    wait_for_graph(module_page, json.loads(path.read_text()))
+    assert not problems(module_page), problems(module_page)
 
 
 def prepare_names(server, paths):

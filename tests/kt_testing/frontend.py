@@ -54,6 +54,14 @@ def ui_format_converter(chromium, server):
     return (lambda graph: json.loads(page.evaluate(TO_UI_FORMAT, graph))), page
 
 
+def blank_canvas(page) -> None:
+    """A new blank workflow on the canvas (Workflow -> New), as a user starts one."""
+    page.evaluate(
+        "() => window.comfyAPI.app.app.extensionManager.command.execute('Comfy.NewBlankWorkflow')"
+    )
+    page.wait_for_function("() => window.comfyAPI.app.app.graph.nodes.length === 0", timeout=30_000)
+
+
 def reload(page):
     """Reload the page, as a user presses F5. What happens while it starts is the fixture's
     business (ComfyUI's own 404s for user.css and user data that does not exist yet): the
