@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75, then the
-# layers that use ComfyUI (nodes, e2e, the GPU layer's skips) again on ComfyUI 0.33 where set-up
-# unpacked it (.comfyui-0.33/). Extra arguments go to both pytest runs, e.g.
-# `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
+# Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75 and, at
+# the same time, the layers that use ComfyUI (nodes, e2e, the GPU layer's skips) on ComfyUI 0.33
+# where set-up unpacked it (.comfyui-0.33/); tests marked `version_independent` run on 0.33 only.
+# Extra arguments go to both pytest runs, e.g. `bash scripts/test.sh -m "not e2e"`.
+# KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
 # `--quick` first (make test-quick): lint, trainer_core and the in-process layers (comfy_adapter,
 # nodes, families) without the stock-size models, on ComfyUI 0.3.75 only; the command line's
-# subprocess tests (tests/application, 5 of 9 minutes) wait for `make test`. The loop for daily
-# work, not a substitute for CI.
+# subprocess tests (tests/application) wait for `make test`. The loop for daily work, not a
+# substitute for CI.
 # Every run prints its 25 slowest tests (--durations) and writes a JUnit report to .test-reports/;
 # a full run ends with the time per layer and the slowest files (scripts/durations.py).
 set -uo pipefail
