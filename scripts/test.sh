@@ -54,6 +54,11 @@ fi
 # are shared by every run of this user), their lines prefixed; a server's port is checked to
 # be its own (scripts/comfy_server.py). Tests whose subject does not depend on ComfyUI's
 # version (marker `version_independent`) run once, on 0.33: the ComfyUI users run today.
+# One compute thread per process (the tests, their servers, their subprocesses): with both runs
+# at once, and a run beside them, PyTorch's default of a thread per core has every process's
+# OpenMP threads spin-waiting on cores the others need. Measured on 2 cores beside another
+# pytest: tests/families/flux/test_flux_training.py 926 s with 2 threads, 56 s with 1.
+export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 TEMP="$(mktemp -d "${TMPDIR:-/tmp}/kt-tests.XXXXXX")"
 trap 'rm -rf "$TEMP"' EXIT
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 run_pytest 0.3.75 --basetemp="$TEMP/0.3.75" "$@" 2>&1 \

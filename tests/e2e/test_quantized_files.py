@@ -146,6 +146,13 @@ def test_a_base_loaded_as_fp8_is_recorded_as_sd_scripts_records_it(served):
         (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
     )
     workflow["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
+    import demo_assets
+
+    if demo_assets.narrow_flux_loads():  # 0.33: the narrow demo Flux (the dtype is tested, not the size)
+        narrow = served.base_dir / "models" / "diffusion_models" / "kt-narrow-flux.safetensors"
+        if not narrow.exists():
+            demo_assets.write_narrow_flux(narrow)
+        workflow["1"]["inputs"]["unet_name"] = narrow.name
     workflow["5"]["inputs"].update(steps=1, save_every=0, lora_name="kt_fp8_weight_dtype")
     workflow["10"]["inputs"]["every_n_steps"] = 100  # no preview round beyond the final one
     _, messages = served.run_prompt(workflow, timeout=600)
