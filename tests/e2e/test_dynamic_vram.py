@@ -4,11 +4,11 @@ the file's read-only memory-mapped weights, as inference Parameters, without a c
 
 Every flow runs through a real server with dynamic VRAM emulated and through a plain one, and
 each shows that the dynamic server's MODEL holds mapped inference weights. The flows about
-memory (the demo's, fp8_scaled's) run the demo's stock-size Flux (1 GiB
-of bf16 weights); the others (checkpointing, a stock LoRA, Cancel then resume, sampling, block swap) the same Flux
+memory (the demo's, fp8_scaled's) run the demo's stock-size Flux (1 GiB of bf16 weights); the
+others (checkpointing, a stock LoRA, Cancel then resume, sampling, block swap) the same Flux
 at 1/12 of its width (`demo_assets.NARROW_FLUX_CONFIG`, through the same stock UNETLoader,
-whose 0.33 detection reads the width), where a step costs a tenth. On 70adb75 (and up to ecd75f4) every run
-made a copy of each mapped weight (`make_autograd_safe_`): the server's anonymous memory
+whose 0.33 detection reads the width), where a step costs a tenth. On 70adb75 (and up to
+ecd75f4) every run made a copy of each mapped weight (`make_autograd_safe_`): the server's anonymous memory
 grew by more than the model's size while training (measured on ecd75f4: +1352 MiB for the
 1020 MiB demo Flux), and the copies stayed in the MODEL, which every flow here checks after
 its run. Now the training shares the mapped memory: the LoRA equals the plain server's bit
