@@ -92,6 +92,28 @@ def test_a_broken_patch_stops_the_run_before_any_step(mods, pack, monkeypatch):
     assert steps == []
 
 
+def test_a_patch_that_raises_stops_the_run_in_one_line(mods, monkeypatch):
+    """A single-block patch that fails where ComfyUI's own forward runs (as a block argument a
+    release renamed would: TypeError) is refused before any step in one line naming the ComfyUI
+    version and the error, not with the error itself from deep in a step."""
+    import comfyui_version
+
+    def failing(self, args, extra):
+        raise TypeError("forward() got an unexpected keyword argument 'vec'")
+
+    monkeypatch.setattr(mods.blocks.SingleBlockReplacement, "__call__", failing)
+    config = mods.ft.TrainConfig(steps=2, rank=2, alpha=2.0, seed=1)
+    message = (
+        rf"cannot train on this ComfyUI \({comfyui_version.__version__}\): for this model ComfyUI's own "
+        r"FLUX.1 forward runs but the training path fails \(TypeError: forward\(\) got an unexpected "
+        r"keyword argument 'vec'\), .* Nothing was trained"
+    )
+    with pytest.raises(RuntimeError, match=message) as raised:
+        with mods.ft.lora_session(TINY_FAMILIES["flux"].patcher(seed=4), config):
+            pytest.fail("the session must not start")
+    assert "\n" not in str(raised.value)
+
+
 def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, monkeypatch):
     """Should a ComfyUI hand a layer a weight made under inference mode that the trainer does
     not know to replace (a cast view cached by sampling, under dynamic VRAM), the backward

@@ -129,6 +129,35 @@ def test_loss_chart_output_and_file(mods, dataset):
     assert torch.equal(saved[None], chart)
 
 
+def test_the_lora_is_flushed_whole_under_a_temp_name_then_published_with_the_umask(
+    mods, dataset, monkeypatch
+):
+    """The LoRA gets its name in models/loras (which every LoraLoader lists) only once it is whole
+    on disk: flushed (`os.fsync`) under its hidden temp name, then renamed (the inode keeps),
+    with ComfyUI's permissions, 0666 minus the umask (safetensors alone writes 0600). The
+    writer's own test is tests/trainer_core/test_atomic_flush.py; this one is the node's file."""
+    import os
+    import stat
+
+    lora = loras_dir() / "kt_flushed.safetensors"
+    seen, real = [], os.fsync
+
+    def fsync(fd):
+        size = os.fstat(fd).st_size
+        seen.append((os.fstat(fd).st_ino, os.pread(fd, size, 0), lora.exists()))
+        return real(fd)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    previous = os.umask(0o027)
+    try:
+        train(mods, dataset, "kt_flushed", steps=2)
+    finally:
+        os.umask(previous)
+    flushed = (lora.stat().st_ino, lora.read_bytes(), False)  # the LoRA, whole, before it had its name
+    assert flushed in seen, "the LoRA was not flushed whole under its temp name"
+    assert stat.S_IMODE(lora.stat().st_mode) == 0o640
+
+
 def test_widgets_come_from_the_config_and_the_widget_schema(mods, pack_import):
     schema = mods.node.TrainLoRA.define_schema()
     widgets = {i.id: i for i in schema.inputs}
@@ -235,6 +264,39 @@ def test_a_damaged_checkpoint_is_not_offered_and_is_refused_by_file(mods, datase
     else:
         assert re.search(message, str(refused.value)), refused.value
     assert not (loras_dir() / "kt_damaged_b.safetensors").exists()
+
+
+def test_a_resume_choice_leading_out_of_the_checkpoint_folders_is_refused(mods, dataset, tmp_path):
+    """resume_from reads only the trainer's checkpoints: a prompt whose choice leads out of
+    output/kontext_trainer_checkpoints (by `..`, or through a link inside it) is refused before
+    anything is read, although a checkpoint that would resume lies there: by ComfyUI's
+    validation where it checks the choice against the list (0.33), else by the run (0.3.75)."""
+    import os
+    import shutil
+
+    train(mods, dataset, "kt_confined", steps=2, save_every=2, seed=2)
+    (run,) = checkpoints_dir("kt_confined").iterdir()
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run, elsewhere / run.name)  # a whole checkpoint, outside
+    root = checkpoints_dir("kt_confined").parent.resolve()
+    link = root / "kt_confined_link"
+    link.symlink_to(elsewhere, target_is_directory=True)
+    try:
+        for choice in (
+            os.path.relpath(elsewhere / run.name / "step_000002", root),
+            f"{link.name}/{run.name}/step_000002",
+        ):
+            with pytest.raises((ValueError, PromptRejected)) as refused:
+                train(mods, dataset, "kt_confined_b", resume=choice, steps=4, save_every=2, seed=2)
+            if isinstance(refused.value, PromptRejected):
+                assert "resume_from" in str(refused.value) and "not in" in str(refused.value)
+            else:
+                assert str(refused.value) == (
+                    f"resume_from: '{choice}' is not a checkpoint of Kontext Trainer ({root})"
+                )
+    finally:
+        link.unlink()
+    assert not (loras_dir() / "kt_confined_b.safetensors").exists()
 
 
 def test_a_resume_on_another_hold_out_is_refused_even_when_the_dataset_hash_is_the_same(

@@ -169,6 +169,56 @@ def test_an_in_place_change_comfyui_might_add_stops_the_run_before_any_step(
             hook.remove()
 
 
+# ComfyUI's Flux blocks' norms that read a residual stream the block then adds into in place
+# (comfy/ldm/flux/layers.py: DoubleStreamBlock, SingleStreamBlock)
+STREAM_NORMS = {
+    "double_blocks": ("img_norm1", "img_norm2", "txt_norm1", "txt_norm2"),
+    "single_blocks": ("pre_norm",),
+}
+
+
+def test_the_norm_pre_hooks_are_on_while_training_and_taken_off_when_it_ends(ft):
+    """Each norm reading a residual stream gets a pre-hook copying its input, on the shared
+    MODEL's own modules: one while the session runs, none after it (a hook left behind copies
+    those inputs in every later sampling, one more per run; outputs stay equal, so no output
+    comparison sees it)."""
+    model = tiny_flux_patcher(seed=6)
+    diffusion_model = model.model.diffusion_model
+    norms = [
+        f"{kind}.{i}.{norm}"
+        for kind, names in STREAM_NORMS.items()
+        for i in range(len(getattr(diffusion_model, kind)))
+        for norm in names
+    ]
+
+    def pre_hooks() -> dict[str, int]:
+        return {name: len(module._forward_pre_hooks) for name, module in diffusion_model.named_modules()}
+
+    before = pre_hooks()
+    with ft.lora_session(model, ft.TrainConfig(rank=2, alpha=2.0)):
+        during = pre_hooks()
+    assert [during[name] - before[name] for name in norms] == [1] * len(norms)
+    assert pre_hooks() == before
+
+
+def test_blocks_whose_stream_norms_were_renamed_are_refused_before_any_step(ft):
+    """A ComfyUI release that renamed every norm the pre-hooks go on would leave nothing copied:
+    the session is refused naming the norms, before any forward runs."""
+    model = tiny_flux_patcher(seed=6)
+    diffusion_model = model.model.diffusion_model
+    for kind, names in STREAM_NORMS.items():
+        for block in getattr(diffusion_model, kind):
+            for name in names:
+                block._modules[f"{name}_renamed"] = block._modules.pop(name)
+    message = (
+        r"this ComfyUI's FLUX.1 blocks have none of the norms img_norm1, .*pre_norm; training them "
+        "is not supported with this ComfyUI version"
+    )
+    with pytest.raises(RuntimeError, match=message):
+        with ft.lora_session(model, ft.TrainConfig(rank=2, alpha=2.0)):
+            pytest.fail("the session must not start")
+
+
 def _in_place_change_after_attach(ft, monkeypatch) -> list:
     """From the LoRA's attachment on (so also in the guard), every forward of double block 0's
     qkv layer (its LoRA saved the input) scales its input in place by 1: the output stays as
