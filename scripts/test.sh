@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75 and, at
 # the same time, the layers that use ComfyUI (nodes, e2e, the GPU layer's skips) on ComfyUI 0.33
-# where set-up unpacked it (.comfyui-0.33/); tests marked `version_independent` run on 0.33 only.
-# Extra arguments go to both pytest runs, e.g. `bash scripts/test.sh -m "not e2e"`.
-# KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
+# where set-up unpacked it (.comfyui-0.33/), in two runs (tests/e2e, the rest); tests marked
+# `version_independent` run on 0.33 only. Extra arguments go to every pytest run, e.g.
+# `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
 # `--quick` first (make test-quick): lint, trainer_core and the in-process layers (comfy_adapter,
 # nodes, families) without the stock-size models, on ComfyUI 0.3.75 only; the command line's
 # subprocess tests (tests/application) wait for `make test`. The loop for daily work, not a
@@ -50,29 +50,38 @@ if [[ ! -f "$COMFY_033/main.py" ]]; then
     run_pytest 0.3.75 "$@"
     exit $?
 fi
-# The two ComfyUIs run at once, each in its own temporary folder (pytest's numbered folders
-# are shared by every run of this user), their lines prefixed; a server's port is checked to
-# be its own (scripts/comfy_server.py). Tests whose subject does not depend on ComfyUI's
-# version (marker `version_independent`) run once, on 0.33: the ComfyUI users run today.
-# One compute thread per process (the tests, their servers, their subprocesses): with both runs
-# at once, and a run beside them, PyTorch's default of a thread per core has every process's
+# Three pytest runs at once, each in its own temporary folder (pytest's numbered folders are
+# shared by every run of this user), their lines prefixed: 0.3.75; 0.33's servers and browser
+# (tests/e2e, the longest part); 0.33's in-process layers. A server checks that the port it
+# answers on is its own (scripts/comfy_server.py). Tests whose subject does not depend on
+# ComfyUI's version (marker `version_independent`) run once, on 0.33: the ComfyUI users run today.
+# One compute thread per process (the tests, their servers, their subprocesses): with runs at
+# once, and a run beside them, PyTorch's default of a thread per core has every process's
 # OpenMP threads spin-waiting on cores the others need. Measured on 2 cores beside another
 # pytest: tests/families/flux/test_flux_training.py 926 s with 2 threads, 56 s with 1.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 TEMP="$(mktemp -d "${TMPDIR:-/tmp}/kt-tests.XXXXXX")"
 trap 'rm -rf "$TEMP"' EXIT
+
+on_033() {  # label, then pytest arguments: a run on ComfyUI 0.33
+    KONTEXT_TRAINER_COMFYUI="$COMFY_033" PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
+        run_pytest "$@"
+}
+
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 run_pytest 0.3.75 --basetemp="$TEMP/0.3.75" "$@" 2>&1 \
     | sed -u 's/^/[0.3.75] /' &
-first_pid=$!
-KONTEXT_TRAINER_COMFYUI="$COMFY_033" \
-    PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
-    run_pytest 0.33 --basetemp="$TEMP/0.33" tests/test_layers.py tests/nodes tests/application \
-        tests/comfy_adapter tests/families tests/e2e tests/gpu "$@" 2>&1 | sed -u 's/^/[0.33] /' &
-second_pid=$!
-wait $first_pid
-first=$?
-wait $second_pid
-second=$?
-echo "[test] exit codes: ComfyUI 0.3.75 $first, ComfyUI 0.33 $second"
-.venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75.xml .test-reports/0.33.xml || true
-[[ $first -eq 0 && $second -eq 0 ]]
+pids=($!)
+on_033 "0.33 e2e" --basetemp="$TEMP/0.33-e2e" tests/e2e tests/gpu "$@" 2>&1 | sed -u 's/^/[0.33 e2e] /' &
+pids+=($!)
+on_033 "0.33 in-process" --basetemp="$TEMP/0.33" tests/test_layers.py tests/nodes tests/application \
+    tests/comfy_adapter tests/families "$@" 2>&1 | sed -u 's/^/[0.33] /' &
+pids+=($!)
+codes=()
+for pid in "${pids[@]}"; do
+    wait "$pid"
+    codes+=($?)
+done
+echo "[test] exit codes: ComfyUI 0.3.75 ${codes[0]}, 0.33 e2e ${codes[1]}, 0.33 in-process ${codes[2]}"
+.venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75.xml .test-reports/0.33-e2e.xml \
+    .test-reports/0.33-in-process.xml || true
+[[ "${codes[*]}" == "0 0 0" ]]

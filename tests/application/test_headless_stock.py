@@ -124,6 +124,7 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
     assert metadata["ss_mixed_precision"] == "no" and metadata["ss_cache_latents"] == "True"
 
 
+@pytest.mark.version_independent
 def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):
     """`[model] diffusion_model` pointing at an existing file that is no model (the user's
     mistake): one line naming the key and the file, not the loader's traceback."""
