@@ -39,7 +39,8 @@ def base(tmp_path_factory, comfy_runtime):  # checking the cached Flux's names i
     """A ComfyUI base directory with the demo models in models/ and the demo dataset in input/.
     Where this ComfyUI's UNETLoader loads the narrow demo Flux (0.33), that Flux stands under the
     demo's name: the path from the example to the command is tested, not the model's size
-    (62 s -> 26 s a run on 0.33); 0.3.75 trains the stock-size one."""
+    (the training test: 62 s on the stock-size Flux in session 19's run, 40 s on the narrow one
+    with another job beside it); 0.3.75 trains the stock-size one."""
     base = tmp_path_factory.mktemp("stock-base")
     link_into_models(ensure_assets(asset_cache_dir()), base / "models")
     if narrow_flux_loads():
