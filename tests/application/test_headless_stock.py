@@ -85,14 +85,14 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
         "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(base), "-o", str(config)
     )
     assert result.returncode == 0, result.stderr
-    # a short run of the example (the only edit a user would make to try it)
+    # a short run of the example (the edits a user would make to try it), nothing held out: the
+    # held-out loss after the last step is 5 forwards of the Flux, more than the 2 steps cost
     text = config.read_text()
-    for key, value in (("steps", "24"), ("save_every", "12"), ("validate_every", "8")):
+    for key, value in (("steps", "24"), ("save_every", "12"), ("validate_every", "8"), ("hold_out", "1")):
         assert f"\n{key} = {value}\n" in text
-    text = text.replace("\nsteps = 24\n", "\nsteps = 2\n").replace(
-        "\nsave_every = 12\n", "\nsave_every = 0\n"
-    )
-    config.write_text(text.replace("\nvalidate_every = 8\n", "\nvalidate_every = 0\n"))
+    for key, value in (("steps", "2"), ("save_every", "0"), ("validate_every", "0"), ("hold_out", "0")):
+        text = re.sub(rf"\n{key} = \d+\n", f"\n{key} = {value}\n", text)
+    config.write_text(text)
     result = trainer_core("train", "--config", str(config), "--cpu")
     assert result.returncode == 0, result.stdout + result.stderr
     lora = base / "models" / "loras" / "kontext_demo_lora.safetensors"

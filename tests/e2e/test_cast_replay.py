@@ -16,7 +16,7 @@ import pytest
 
 from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAY_MARK
 from kt_testing.datasets import write_one_folder
-from kt_testing.graphs import training_graph
+from kt_testing.graphs import demo_training, training_graph
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.runs import losses_of, progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
@@ -128,18 +128,12 @@ def test_cancel_then_resume_gives_the_plain_servers_lora(servers):
 def test_the_demo_workflow(servers, stock_assets):
     """example_workflows/api/kontext_lora_training.json on the stock loaders and the demo's
     stock-size Flux (every block Linear over 16 KiB: all replayed), cut to two steps with the
-    preview at the end."""
-    import json
-
+    preview at the end (no held-out loss: the same forward as the preview's, without the
+    sampler)."""
     import demo_assets
     import demo_dataset
-    from kt_testing.paths import REPO_ROOT
 
     for server in servers:
         demo_assets.link_into_models(stock_assets, server.base_dir / "models")
         demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
-    workflow = json.loads(
-        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
-    )
-    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name="kt_replay_demo")
-    on_both(servers, workflow)
+    on_both(servers, demo_training("kt_replay_demo"))

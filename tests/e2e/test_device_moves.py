@@ -10,7 +10,6 @@ and a stock LoRA before TrainLoRA."""
 
 from __future__ import annotations
 
-import json
 import math
 import time
 
@@ -18,8 +17,8 @@ import pytest
 
 from kt_testing.datasets import write_one_folder
 from kt_testing.device_moves import DEVICE_MOVES_ENV, UNLOAD_MARK
-from kt_testing.graphs import ksampler_inputs, training_graph
-from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.graphs import demo_training, ksampler_inputs, training_graph
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.runs import losses_of, progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
@@ -113,17 +112,13 @@ def test_a_stock_lora_before_train_lora(moving, dataset):
 @pytest.mark.slow
 def test_the_demo_workflow(moving, stock_assets):
     """example_workflows/api/kontext_lora_training.json on the stock loaders and the demo's
-    files, cut to two steps with a preview at the end."""
+    files, cut to two steps with a preview at the end (no held-out loss)."""
     import demo_assets
     import demo_dataset
 
     demo_assets.link_into_models(stock_assets, moving.base_dir / "models")
     demo_dataset.write_demo_dataset(moving.base_dir / "input" / "kontext_demo", count=2)
-    workflow = json.loads(
-        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
-    )
-    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name="kt_moves_demo")
-    prompt_id, messages = moving.run_prompt(workflow, timeout=600)
+    prompt_id, messages = moving.run_prompt(demo_training("kt_moves_demo"), timeout=600)
     succeeded(messages)
     result = moving.history(prompt_id)["outputs"]["5"]
     assert len(result["loss"]) == 2 and all(math.isfinite(x) for x in result["loss"])

@@ -22,13 +22,13 @@ ComfyUI 0.3.75 has no dynamic VRAM: the module skips there."""
 from __future__ import annotations
 
 import itertools
-import json
 import math
 
 import pytest
 
 from kt_testing.dynamic_vram import DYNAMIC_VRAM_ENV, EMULATION_MARK, comfyui_has_dynamic_vram, server_env
-from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.graphs import demo_training
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.runs import progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
@@ -40,7 +40,6 @@ pytestmark = [
     ),
 ]
 
-EXAMPLE = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
 NARROW = "kt-narrow-flux.safetensors"  # the narrow demo Flux, in each server's diffusion_models/
 PROBES = itertools.count(1)
 MODEL_BYTES_FLOOR = 1_000_000_000  # the demo Flux's mapped block weights (about 1.07 GB)
@@ -74,14 +73,16 @@ def stock_assets_files(comfy_runtime):
     return demo_assets.ensure_assets(asset_cache_dir())
 
 
-def demo_workflow(lora_name: str, steps: int = 2, narrow: bool = False, **settings) -> dict:
-    """The shipped example, cut to `steps` steps, the preview at every 2nd step, no snapshots;
-    `narrow`: on the narrow demo Flux."""
-    workflow = json.loads(EXAMPLE.read_text())
+def demo_workflow(
+    lora_name: str, steps: int = 2, narrow: bool = False, preview: bool = True, **settings
+) -> dict:
+    """The shipped example, cut to `steps` steps, the preview (`preview`) at every 2nd step, no
+    snapshots, no held-out loss; `narrow`: on the narrow demo Flux."""
+    workflow = demo_training(lora_name, steps=steps, preview=preview, **settings)
     if narrow:
         workflow["1"]["inputs"]["unet_name"] = NARROW
-    workflow["5"]["inputs"].update({"steps": steps, "save_every": 0, "lora_name": lora_name, **settings})
-    workflow["10"]["inputs"]["every_n_steps"] = 2
+    if preview:
+        workflow["10"]["inputs"]["every_n_steps"] = 2
     return workflow
 
 
@@ -183,7 +184,7 @@ def test_the_demo_workflow_trains_on_the_mapped_weights_without_a_copy(servers):
     """With previews. The run before the measured one loads and encodes everything (cached
     afterwards), so the measured run is TrainLoRA's own."""
     dynamic = servers[1]
-    trained(dynamic, demo_workflow("kt_dyn_warmup"))  # the dataset, encoded and cached
+    trained(dynamic, demo_workflow("kt_dyn_warmup", narrow=True))  # the dataset, encoded and cached
     workflow = fresh_model(dynamic, demo_workflow("kt_dyn_demo"), "kt-dyn-demo")
     assert weights_of(dynamic, workflow)["mapped_inference_parameters"] == weights_of(dynamic)["large"]
     anonymous_memory(dynamic)  # measure from here
@@ -276,7 +277,9 @@ def test_fp8_scaled_shares_the_mapped_weights_and_states_its_fp8_copy(servers):
     weights are large transients here, on a GPU they are VRAM: so the comparison)."""
     growth = {}
     for server in servers:
-        workflow = fresh_model(server, demo_workflow("kt_dyn_fp8", fp8_mode="fp8_scaled"), "kt-dyn-fp8")
+        workflow = fresh_model(
+            server, demo_workflow("kt_dyn_fp8", preview=False, fp8_mode="fp8_scaled"), "kt-dyn-fp8"
+        )
         weights_of(server, workflow)  # loaded
     anonymous_memory(servers[0]), anonymous_memory(servers[1])
     vbar_geometry(servers[1])  # from here

@@ -23,7 +23,8 @@ import pytest
 from safetensors.torch import load_file
 
 from kt_testing.cast_replay import CAST_REPLAY_ENV
-from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS
+from kt_testing.graphs import demo_training
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.quantized_files import FORMS, write_quantized_file
 from kt_testing.runs import progress_events
 from kt_testing.server import ComfyServer
@@ -87,11 +88,8 @@ def test_the_kontext_workflow_trains_on_a_quantized_file(served, stock_assets, f
     path = served.base_dir / "models" / "diffusion_models" / name
     if not path.exists():
         write_quantized_file(path, source_flux(stock_assets), form)
-    workflow = json.loads(
-        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
-    )
+    workflow = demo_training(f"kt_quantized_{form}")  # with the preview; no held-out loss
     workflow["1"]["inputs"]["unet_name"] = name
-    workflow["5"]["inputs"].update(steps=2, save_every=0, lora_name=f"kt_quantized_{form}")
     before = replay_counts(served)
     prompt_id, messages = served.run_prompt(workflow, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
@@ -125,13 +123,8 @@ def test_a_mode_that_cannot_run_on_a_quantized_file_is_one_line_before_any_step(
     path = served.base_dir / "models" / "diffusion_models" / name
     if not path.exists():
         write_quantized_file(path, source_flux(stock_assets), "quantization_metadata")
-    workflow = json.loads(
-        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
-    )
+    workflow = demo_training(f"kt_refused_{fp8_mode}", fp8_mode=fp8_mode)
     workflow["1"]["inputs"]["unet_name"] = name
-    workflow["5"]["inputs"].update(
-        steps=2, save_every=0, lora_name=f"kt_refused_{fp8_mode}", fp8_mode=fp8_mode
-    )
     _, messages = served.run_prompt(workflow, timeout=600)
     assert messages[-1]["type"] == "execution_error"
     error = messages[-1]["data"]["exception_message"].strip()
@@ -142,9 +135,7 @@ def test_a_mode_that_cannot_run_on_a_quantized_file_is_one_line_before_any_step(
 def test_a_base_loaded_as_fp8_is_recorded_as_sd_scripts_records_it(served):
     """Issue 32: `ss_fp8_base` was "False" for a MODEL that UNETLoader loaded with weight_dtype
     fp8_e4m3fn (sd-scripts writes True when the base ran in fp8)."""
-    workflow = json.loads(
-        (REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json").read_text()
-    )
+    workflow = demo_training("kt_fp8_weight_dtype", steps=1, preview=False)  # the file's metadata is tested
     workflow["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
     import demo_assets
 
@@ -153,8 +144,6 @@ def test_a_base_loaded_as_fp8_is_recorded_as_sd_scripts_records_it(served):
         if not narrow.exists():
             demo_assets.write_narrow_flux(narrow)
         workflow["1"]["inputs"]["unet_name"] = narrow.name
-    workflow["5"]["inputs"].update(steps=1, save_every=0, lora_name="kt_fp8_weight_dtype")
-    workflow["10"]["inputs"]["every_n_steps"] = 100  # no preview round beyond the final one
     _, messages = served.run_prompt(workflow, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
     _, metadata = load(served.base_dir / "models" / "loras" / "kt_fp8_weight_dtype.safetensors")
