@@ -22,6 +22,7 @@ from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
 EXAMPLES = REPO_ROOT / "example_workflows" / "api"
+PYTORCH_ATTENTION = ("--use-pytorch-cross-attention",)  # ComfyUI's choice on NVIDIA
 # Each stock loader of the examples -> the test-only node (and seed) that builds its tiny part.
 TINY_STAND_INS = {
     "UNETLoader": ("KTTest_TinyFlux2Model", 3),
@@ -64,8 +65,12 @@ def succeeded(messages: list[dict]) -> None:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     """A server of its own (not the session's): an empty models/loras, so the shipped
-    lora_name (with overwrite off) is free whatever other tests have left there."""
-    with ComfyServer(tmp_path_factory.mktemp("flux2-base"), extra_packs=TEST_NODE_PACKS) as running:
+    lora_name (with overwrite off) is free whatever other tests have left there. It attends
+    with PyTorch's SDPA, as ComfyUI does on an NVIDIA GPU (on a CPU it picks sub-quadratic
+    attention, which spent 953 of the 1065 samples of the inference runs' sampling, py-spy)."""
+    with ComfyServer(
+        tmp_path_factory.mktemp("flux2-base"), extra_packs=TEST_NODE_PACKS, args=PYTORCH_ATTENTION
+    ) as running:
         yield running
 
 
