@@ -15,6 +15,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 
 .venv/bin/ruff check . || exit 1
+# The pack's and the tests' .pyc files (PYTHONDONTWRITEBYTECODE may be set: then every server
+# and subprocess compiles the pack again); a second or so, and nothing when nothing changed.
+.venv/bin/python -m compileall -q -j 0 __init__.py application comfy_adapter nodes trainer_core tests scripts \
+    >/dev/null || exit 1
 DURATIONS=(--durations=25 --durations-min=1)
 
 run_pytest() {  # label, then pytest arguments; a JUnit report per run in .test-reports/

@@ -230,10 +230,12 @@ def largest(tensor: torch.Tensor) -> float:
 
 
 @torch.no_grad()
-def lora_errors(layers: dict[str, torch.nn.Module], expected: dict[str, torch.Tensor]) -> dict[str, float]:
+def lora_errors(
+    layers: dict[str, torch.nn.Module], expected: dict[str, torch.Tensor], scales: dict[str, float]
+) -> dict[str, float]:
     """Per LoRA layer: what its forward adds to the base layer's (scaling * B @ A, peft's
     `lora_B(lora_A(x)) * scaling`) against the expected change of its weight, as
-    max |difference| / max |expected|."""
+    max |difference| / max |expected| (`scales`: each expected change's max |x|)."""
     buffer = torch.empty(max(m.base_layer.weight.numel() for m in layers.values()))
     errors = {}
     for name, module in layers.items():
@@ -244,7 +246,7 @@ def lora_errors(layers: dict[str, torch.nn.Module], expected: dict[str, torch.Te
         torch.mm(module.lora_B[adapter].weight, module.lora_A[adapter].weight, out=change)
         change.mul_(module.scaling[adapter])
         want = expected[f"{name}.weight"]
-        scale = largest(want)
+        scale = scales[f"{name}.weight"]
         errors[name] = largest(change.sub_(want)) / scale if scale > 0 else float("inf")
     return errors
 
@@ -260,9 +262,10 @@ def check_diffusers_reads(flux_base: FluxBase, path: Path, caplog, expectations,
         for make_deltas, tolerance in expectations:
             expected = diffusers_layout(flux_base, make_deltas())
             # the change falls on the LoRA layers' weights and nowhere else
-            changed = {key for key, value in expected.items() if largest(value) > 0}
+            scales = {key: largest(value) for key, value in expected.items()}
+            changed = {key for key, scale in scales.items() if scale > 0}
             assert changed == {f"{name}.weight" for name in layers}
-            errors = lora_errors(layers, expected)
+            errors = lora_errors(layers, expected, scales)
             del expected
             bad = {name: error for name, error in errors.items() if error > tolerance}
             assert not bad, f"LoRA layers off by more than {tolerance} (relative): {bad}"
