@@ -61,6 +61,10 @@ def test_switching_comfyui_installs_nothing_and_takes_well_under_a_second(set_up
         run = set_up.run(comfyui=comfyui)
         assert run.returncode == 0, run.output
         assert run.python_calls == [], f"set-up ran python (pip) again: {run.python_calls}"
+        # legitimate 0.09 to 0.20 s (measured, these 3 runs); unpacking 0.33's tarball again on
+        # every run (its stamp checks removed in a scratch copy) 1.29 to 2.10 s (measured). The
+        # tarball compare on every run, 0.24 to 0.57 s on this stand-in tarball (measured), is
+        # too close to the legitimate figure for a bound here.
         assert run.seconds < 1.0, f"a set-up with nothing changed took {run.seconds:.2f} s"
         assert "ready in" in run.output
 

@@ -212,6 +212,9 @@ def test_a_bad_config_names_the_key_and_the_fix(files):
     result = run(command(missing))
     assert result.returncode == 2, result.stdout + result.stderr
     assert str(files.root / "nowhere") in result.stderr, result.stderr
+    # legitimate 11 to 12 s (measured: ComfyUI boots and the tiny models load before the dataset
+    # is read). No regression between 120 s and run()'s 300 s timeout is known: a refusal that
+    # hangs fails at that timeout even without this bound.
     assert time.monotonic() - started < 120
     empty = files.root / "not_a_checkpoint"
     empty.mkdir()
@@ -467,7 +470,9 @@ def test_a_lora_folder_gone_while_training_ends_the_command_at_its_last_step(fil
     ended = time.monotonic()
     errors = process.stderr.read()
     assert process.returncode == 2, errors
-    assert last_step is not None and ended - last_step < 10  # a save and a message; measured ~1 s
+    # legitimate 1.4 to 1.5 s (measured: the final save and a message); on de381c0 the save spun
+    # for ever (no end by construction; the 30 s wait above fails first)
+    assert last_step is not None and ended - last_step < 10
     (final,) = checkpoints(base, "gone")
     loras = base / "models" / "loras"
     (line,) = [x for x in errors.splitlines() if "error:" in x]

@@ -170,7 +170,13 @@ def trained_lora(mods, model, fp8_mode, steps=4):
 
 def check_against_full_precision(fp8, rounded, full, envelope, exact_rtol):
     """fp8 equals the rounded reference to float32 accuracy, and differs from full precision
-    by between 0.2 and 1 times the worst-case rounding (the envelope)."""
+    by between 0.2 and 1 times the worst-case rounding (the envelope).
+
+    Legitimate: 0.31 to 0.43 for the gradients, 0.48 and 0.52 for the trained LoRA (measured).
+    Weights not rounded give 0, and above 1 is more than the worst case allows (by construction).
+    Reference roundings broken in a scratch copy stay inside (measured): e5m2 instead of e4m3
+    0.78 to 0.86, one scale a tensor instead of a row 0.42, the scale left out 0.39 to 0.54;
+    the exact comparison with the reference is what catches those in the product."""
     scale = float(full.norm())
     assert float((fp8 - rounded).norm()) <= exact_rtol * scale
     ratio = float((fp8 - full).norm()) / float((envelope - full).norm())

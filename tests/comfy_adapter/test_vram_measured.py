@@ -71,9 +71,11 @@ def estimated(size: int, checkpointing: bool) -> float:
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "checkpointed"])
 def test_activations_grow_with_the_tokens_as_estimated(measured, checkpointing):
-    """4x the image tokens: the measured growth ratio and the estimator's agree within 1.2x
-    (measured: 3.9 plain, 3.8 checkpointed; estimated 3.97). Attention that kept its L x L
-    scores (ComfyUI's CPU default) measures ~8x here and fails."""
+    """4x the image tokens: the measured growth ratio and the estimator's agree within 1.2x.
+    Legitimate: 4.05 plain, 4.16 checkpointed, estimated 3.97: 1.02 and 1.05 of the estimate
+    (measured, ComfyUI 0.3.75). Attention that keeps its L x L scores (ComfyUI's CPU default,
+    the SDPA override removed in a scratch copy): 11.1 and 12.5, 2.8 and 3.1 of the estimate
+    (measured)."""
     grown = measured[checkpointing]
     measured_ratio = grown[LARGE] / grown[SMALL]
     estimated_ratio = estimated(LARGE, checkpointing) / estimated(SMALL, checkpointing)
@@ -82,7 +84,9 @@ def test_activations_grow_with_the_tokens_as_estimated(measured, checkpointing):
 
 def test_checkpointing_saves_what_the_estimate_says(measured):
     """The checkpointed / plain ratio at the larger size tests BLOCK_INPUT_BYTES against
-    BLOCK_WORKING_BYTES: within 1.5x (measured 0.39, estimated 0.32 for 4 blocks)."""
+    BLOCK_WORKING_BYTES: within 1.5x. Legitimate: 0.38, estimated 0.29 for 4 blocks, 1.29 of
+    the estimate (measured, ComfyUI 0.3.75). Checkpointing not applied (the blocks installed
+    without it in a scratch copy): 1.00, 3.4 of the estimate (measured); L x L attention: 1.6."""
     measured_ratio = measured[True][LARGE] / measured[False][LARGE]
     estimated_ratio = estimated(LARGE, True) / estimated(LARGE, False)
     assert 1 / 1.5 <= measured_ratio / estimated_ratio <= 1.5, (measured_ratio, estimated_ratio)
@@ -90,8 +94,12 @@ def test_checkpointing_saves_what_the_estimate_says(measured):
 
 def test_the_working_set_per_token_is_the_estimators_within_2x(measured):
     """Absolute: the plain step's growth against the estimate, doubled for float32 (measured
-    ~89 bytes per token, channel and block, estimated 2 x 28). The measurement also holds the
-    embedders', final layer's and loss's activations, which the 4 tiny blocks do not dilute."""
+    ~91 bytes per token, channel and block, estimated 2 x 45: 1.01 of it, ComfyUI 0.3.75). The
+    measurement also holds the embedders', final layer's and loss's activations, which the 4
+    tiny blocks do not dilute. L x L attention measures 5.6 (scratch copy). A working-set
+    constant off by 2x sits on the bounds (by construction: halved 2.02, fails; doubled 0.51,
+    passes); the GPU table (tests/families/flux/test_flux_vram_calibration.py) catches the
+    doubled one (1.44 of a measured peak)."""
     ratio = measured[False][LARGE] / (2 * estimated(LARGE, False))
     assert 0.5 <= ratio <= 2.0, ratio
 

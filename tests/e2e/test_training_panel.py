@@ -239,15 +239,35 @@ def test_smoothing_matches_python_and_a_million_steps_draw_fast(comfy_page, serv
                 loss: losses.at(-1), smoothed_loss: smoothLosses(losses).at(-1), lr: 1e-4,
                 seconds_per_step: 0.5, eta_seconds: 0, message: '', previews: []});
             runs.setLosses(run, 0, losses);
+            const proto = CanvasRenderingContext2D.prototype, lineTo = proto.lineTo;
+            let lines = 0;
+            proto.lineTo = function (...args) { lines++; return lineTo.apply(this, args); };
             const started = performance.now();
-            redraw();
-            return {ms: performance.now() - started, points: run.losses.length};
+            try {
+                redraw();
+            } finally {
+                proto.lineTo = lineTo;
+            }
+            const ms = performance.now() - started;
+            const pixels = [...document.querySelectorAll('.kt-training-panel canvas')]
+                .reduce((sum, canvas) => sum + canvas.width, 0);
+            return {ms, lines, pixels, points: run.losses.length};
         }""",
         workflow,
     )
     assert timing["points"] == 1_000_000
     assert "step 1,000,000 / 1,000,000" in comfy_page.evaluate(PANEL, "5")["text"]
-    assert timing["ms"] < 2_000, timing
+    # The redraw took 34 to 69 ms on an idle machine, 144 to 242 ms beside another test run
+    # (measured, 8 runs); drawing every point, without chartEnvelope's per-column envelope,
+    # 330 and 473 ms idle, 2005 ms beside another run (measured with the chart's columns set to
+    # the number of losses in a scratch copy). No time bound separates the two on a shared CPU,
+    # so the time is reported and the mechanism asserted: the path has a few vertices per pixel
+    # column of the panel's canvases (the envelope's top and bottom, the smoothed line: 2520
+    # for 864 px, measured), where drawing every point has two per loss (2,000,000, measured
+    # with the break above; the assertion fails).
+    print(f"\nredraw of 1,000,000 losses: {timing['ms']:.0f} ms, {timing['lines']} lineTo calls, "
+          f"{timing['pixels']} px of canvas")
+    assert 0 < timing["lines"] <= 4 * timing["pixels"], timing
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     comfy_page.locator(".kt-training-panel").first.screenshot(path=str(ARTIFACTS / "training_panel_long.png"))
     assert not comfy_page.ui_problems()

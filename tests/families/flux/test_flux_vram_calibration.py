@@ -24,4 +24,8 @@ def test_the_estimate_is_at_or_above_the_measured_peak_and_within_15_percent(row
     estimate = estimate_vram(**TABLE["common"]["settings"], **row["settings"])
     measured = row["measured_gib"]
     print(f"\n{row['name']}: estimate {estimate.peak:.1f} GiB, measured {measured:.1f} GiB")
+    # legitimate: 1.005 to 1.073 times the measured peak (the 5 rows, measured). The estimate
+    # with one term broken (in a scratch copy, measured): without OVERHEAD_GIB 0.958 of a peak,
+    # without the activations 0.57; a checkpointed block's input counted in fp32 1.22,
+    # BLOCK_WORKING_BYTES doubled 1.44, fp8 weights counted as bf16 1.71
     assert measured <= estimate.peak <= 1.15 * measured
