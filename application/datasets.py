@@ -97,18 +97,11 @@ def summary(dataset: KontextDataset) -> str:
     return "\n".join(lines)
 
 
-def load_dataset(
-    vae,
-    clip,
-    options: DatasetOptions,
-    progress: Callable[[int, int], None] | None = None,
-    confined: bool = True,
-) -> tuple[KontextDataset, str]:
-    """The dataset `options` describe, encoded with `vae` and `clip` (ComfyUI's VAE and CLIP),
-    and its report. Folders resolve against ComfyUI's input and output directories. The whole
-    folder is validated first (every problem in one ValueError, nothing written); `progress(done,
-    total)` follows the encoding. `confined` off (the command line): the cache may be any
-    absolute folder."""
+def check_dataset(options: DatasetOptions, confined: bool = True):
+    """The dataset folder `options` name, validated without an encoder (every problem in one
+    ValueError, nothing written): its scan, and the cache folder it will use. Folders resolve
+    against ComfyUI's input and output directories. `confined` off (the command line): the cache
+    may be any absolute folder. The command line calls it before the models load."""
     import folder_paths
 
     input_dir, output_dir = (
@@ -118,10 +111,25 @@ def load_dataset(
     root = resolve_dataset_folder(options.folder, options.path, input_dir)
     writable = (output_dir, Path(folder_paths.get_temp_directory())) if confined else None
     cache_root = resolve_cache_folder(options.cache_folder, output_dir, writable)
-    # raises with every problem, nothing written; a dataset picked in the input directory reads
-    # nothing outside it: a file there linking out is refused by name, as a linked folder is
+    # a dataset picked in the input directory reads nothing outside it: a file there linking out
+    # is refused by name, as a linked folder is
     inside = input_dir if not options.path.strip() else None
-    scan = scan_dataset(root, min_size=options.min_size, confined_to=inside)
+    return scan_dataset(root, min_size=options.min_size, confined_to=inside), cache_root
+
+
+def load_dataset(
+    vae,
+    clip,
+    options: DatasetOptions,
+    progress: Callable[[int, int], None] | None = None,
+    confined: bool = True,
+    checked=None,
+) -> tuple[KontextDataset, str]:
+    """The dataset `options` describe (`check_dataset`, or `checked`: what it returned),
+    encoded with `vae` and `clip` (ComfyUI's VAE and CLIP), and its report; `progress(done,
+    total)` follows the encoding."""
+    scan, cache_root = checked or check_dataset(options, confined)
+    root = scan.root
     prepare_cache_folder(cache_root)
     settings = DatasetSettings(
         options.resolution,

@@ -35,7 +35,7 @@ from ..trainer_core.choices import JobStatus
 from ..trainer_core.distributed import Collective, PeerLost
 from ..trainer_core.job import Progress
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
-from .datasets import load_dataset
+from .datasets import check_dataset, load_dataset
 from .run_policy import resume_folder, start_file
 from .run_service import PreparedRun, RunRequest, prepare
 from .training_run import TrainingOutcome
@@ -119,21 +119,22 @@ def _loading(key: str, value: str, loader: str):
 # --- 2) the dataset -----------------------------------------------------------------------------
 
 
-def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None):
-    """LoadKontextDataset's dataset; data parallel, the first process of each machine encodes
-    what the cache lacks while the others wait, then they read it (all cache hits), and all
-    processes must see the same dataset."""
+def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None, checked=None):
+    """LoadKontextDataset's dataset (`checked`: `check_dataset`'s scan of it, made before the
+    models loaded); data parallel, the first process of each machine encodes what the cache
+    lacks while the others wait, then they read it (all cache hits), and all processes must see
+    the same dataset."""
     first = collective is None or distributed.local_rank() == 0
     rank = distributed.rank_of(collective)
     dataset = report = None
     if first:
         dataset, report = load_dataset(
-            vae, clip, config.dataset, progress=_encode_progress(rank), confined=False
+            vae, clip, config.dataset, progress=_encode_progress(rank), confined=False, checked=checked
         )
     if collective is not None:
         collective.barrier("waiting for the dataset cache")
         if not first:
-            dataset, report = load_dataset(vae, clip, config.dataset, confined=False)
+            dataset, report = load_dataset(vae, clip, config.dataset, confined=False, checked=checked)
         digest = torch.frombuffer(bytearray(dataset.content_hash.encode("ascii")), dtype=torch.uint8)
         seen = {bytes(t.tolist()).decode("ascii") for t in collective.gather(digest, "comparing datasets")}
         if len(seen) > 1:
@@ -296,10 +297,14 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
         prepared = in_section("train", lambda: prepare_run(config, collective))
+        # the folder and every file in it, before minutes of loading a model
+        checked = in_section("dataset", lambda: check_dataset(config.dataset, confined=False))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
-        dataset, report = in_section("dataset", lambda: prepare_dataset(vae, clip, config, collective))
+        dataset, report = in_section(
+            "dataset", lambda: prepare_dataset(vae, clip, config, collective, checked)
+        )
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
         in_section("train", lambda: prepared.check_resume(dataset))
         in_section("model", lambda: prepared.check_model(model, dataset))

@@ -208,14 +208,12 @@ def test_a_bad_config_names_the_key_and_the_fix(files):
     missing = write_config(
         files.root / "missing.toml", files.base, files.root / "nowhere", files.cache, {"lora_name": "bad"}
     )
-    started = time.monotonic()
     result = run(command(missing))
     assert result.returncode == 2, result.stdout + result.stderr
     assert str(files.root / "nowhere") in result.stderr, result.stderr
-    # legitimate 11 to 12 s (measured: ComfyUI boots and the tiny models load before the dataset
-    # is read). No regression between 120 s and run()'s 300 s timeout is known: a refusal that
-    # hangs fails at that timeout even without this bound.
-    assert time.monotonic() - started < 120
+    # refused before the models load (it came after them, and a time bound of 120 s guarded
+    # nothing: 11 to 12 s measured with the tiny models, where a real Flux loads for minutes)
+    assert "loading the model files" not in result.stdout
     empty = files.root / "not_a_checkpoint"
     empty.mkdir()
     incomplete = write_config(
