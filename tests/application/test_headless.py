@@ -445,8 +445,13 @@ def test_a_lora_folder_that_cannot_take_files_is_refused_before_anything_loads(f
 @pytest.mark.parametrize("kind", ["file", "dangling link"])
 def test_a_lora_folder_gone_while_training_ends_the_command_at_its_last_step(files, tmp_path, kind):
     """Issue 44: models/loras goes while the command trains (save_every 0: the final checkpoint
-    is its first write): it stops within seconds of its last step with one line naming the
-    folder and the checkpoint that holds the LoRA (on de381c0 it spun until SIGKILL)."""
+    is its first write): after its last step it stops with one line naming the folder and the
+    checkpoint that holds the LoRA (on de381c0 it spun until SIGKILL).
+
+    The bound is the command's end within 300 s of its start (12 to 18 s measured beside a
+    test run), where the regression never ends. From the last step to the end: 1.4 to 1.5 s
+    alone (measured), 12.1 s in a fresh clone's `make test` with two more jobs beside it
+    (measured; the bound of 10 s this test had there failed)."""
     from kt_testing.bad_files import BREAK_FOLDER_ENV
 
     base = tmp_path / "base"
@@ -456,21 +461,16 @@ def test_a_lora_folder_gone_while_training_ends_the_command_at_its_last_step(fil
     process = subprocess.Popen(
         command(config), cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    last_step = None
-    for line in process.stdout:
-        if PROGRESS.match(line) and " 3/3 " in line:
-            last_step = time.monotonic()
+    started = time.monotonic()
     try:
-        process.wait(timeout=30)
+        output, errors = process.communicate(timeout=300)
     except subprocess.TimeoutExpired:
         process.kill()
-        raise
-    ended = time.monotonic()
-    errors = process.stderr.read()
+        process.communicate()
+        pytest.fail("the command did not end after its last step (de381c0 spun until SIGKILL)")
+    print(f"\nthe command ended {time.monotonic() - started:.1f} s after its start")
     assert process.returncode == 2, errors
-    # legitimate 1.4 to 1.5 s (measured: the final save and a message); on de381c0 the save spun
-    # for ever (no end by construction; the 30 s wait above fails first)
-    assert last_step is not None and ended - last_step < 10
+    assert any(PROGRESS.match(line) and " 3/3 " in line for line in output.splitlines()), output
     (final,) = checkpoints(base, "gone")
     loras = base / "models" / "loras"
     (line,) = [x for x in errors.splitlines() if "error:" in x]
