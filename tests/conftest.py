@@ -23,7 +23,7 @@ def pytest_collection_modifyitems(config, items):
         layer = in_process.get(parts[0], parts[0])
         if layer in ("nodes", "e2e", "gpu"):
             item.add_marker(getattr(pytest.mark, layer))
-    # `make test` runs these on ComfyUI 0.33 only (scripts/test.sh sets this for its 0.3.75 run):
+    # `make test` runs these on ComfyUI 0.33 only (scripts/test.sh sets this for its 0.3.75 runs):
     # their subject (our files, names, settings, processes) is the same on every ComfyUI.
     if os.environ.get("KT_VERSION_INDEPENDENT_ELSEWHERE") == "1":
         elsewhere = [item for item in items if item.get_closest_marker("version_independent")]
