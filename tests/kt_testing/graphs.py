@@ -7,6 +7,8 @@ from pathlib import Path
 
 from trainer_core.config import TrainConfig
 
+from .paths import REPO_ROOT
+
 
 def training_graph(
     dataset: Path,
@@ -111,24 +113,21 @@ def ksampler_inputs(model, conditioning, latent: dict) -> dict:
     }
 
 
-DEMO_TRAINING = Path(__file__).resolve().parents[2] / "example_workflows/api/kontext_lora_training.json"
+DEMO_TRAINING = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
 
 
-def demo_training(
-    lora_name: str, steps: int = 2, validation: bool = False, preview: bool = True, **settings
-) -> dict:
+def demo_training(lora_name: str, steps: int = 2, preview: bool = True, **settings) -> dict:
     """The shipped Kontext training example (what `make demo` queues, on the demo's files), cut
-    to `steps` steps, no snapshots. `validation` off (the default): the dataset holds nothing
-    out, so no held-out loss runs after the last step: 5 forwards of the demo Flux, measured at
-    a third of a 2-step run on 0.3.75 (623 of 1909 samples of TrainLoRA's thread, py-spy; the
-    preview 532, the 2 steps 393). `preview` off: PreviewSampler is not connected. `settings`:
+    to `steps` steps, no snapshots, and nothing held out: no held-out loss after the last step
+    (5 forwards of the demo Flux, measured at a third of a 2-step run on 0.3.75: 623 of 1909
+    samples of TrainLoRA's thread, py-spy; the preview 532, the 2 steps 393; the example's own
+    test runs it as shipped). `preview` off: PreviewSampler is not connected. `settings`:
     TrainLoRA's other inputs."""
     import json
 
     workflow = json.loads(DEMO_TRAINING.read_text())
     workflow["5"]["inputs"].update(steps=steps, save_every=0, lora_name=lora_name, **settings)
-    if not validation:
-        workflow["4"]["inputs"]["hold_out"] = 0
+    workflow["4"]["inputs"]["hold_out"] = 0
     if not preview:
         del workflow["5"]["inputs"]["preview"], workflow["10"]
     return workflow
