@@ -125,32 +125,45 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
     can detect); everything else runs as in production."""
     options = parser().parse_args(argv)
     options.use_cuda = options.command == "train" and wants_cuda(options.cpu)
+    dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
+    config = checked = None
     if options.command == "config":
         base = options.base_directory.resolve() if options.base_directory else None
     else:
-        base = _config_base_directory(options.config)
-    dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
+        config = _read_config(options.config)
+        base = config.base_directory
+    if options.command == "train":
+        # the run's files and the dataset, before the boot and the model load
+        comfy_boot.boot_folders(comfyui_root(), base, options.use_cuda, dynamic_vram)
+        from . import preflight
+
+        try:
+            checked = preflight.check_run(config)
+        except (OSError, ValueError) as error:
+            print(preflight.refusal(options.config, error), file=sys.stderr, flush=True)
+            return 2
     boot(base, options.use_cuda, dynamic_vram)
     from . import headless  # after the boot: it imports ComfyUI
 
     if options.command == "train":
-        return headless.train_command(options, load_models)
+        return headless.train_command(options, load_models, config, checked)
     return headless.convert_command(options)
 
 
-def _config_base_directory(path: Path) -> Path:
-    """The config's base directory, read before ComfyUI boots (its folders are fixed at import);
-    the full config is checked after."""
+def _read_config(path: Path):
+    """The config, read before ComfyUI boots (its folders are fixed at import by the base
+    directory); a bad one ends the command here."""
     from ..trainer_core.run_config import load_run_config
 
     try:
-        base = load_run_config(path).base_directory
+        config = load_run_config(path)
+        base = config.base_directory
         if not base.is_dir():  # before the boot, which would create ComfyUI's folders in it
             raise ValueError(
                 f"{path}: [comfyui] base_directory: {base} does not exist; give your ComfyUI base "
                 "directory (the folder with models/, input/ and output/)"
             )
-        return base
+        return config
     except (OSError, ValueError) as error:
         print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
         raise SystemExit(2) from None

@@ -36,6 +36,7 @@ from ..trainer_core.distributed import Collective, PeerLost
 from ..trainer_core.job import Progress
 from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
 from .datasets import check_dataset, load_dataset
+from .preflight import in_section, refusal
 from .run_policy import resume_folder, start_file
 from .run_service import PreparedRun, RunRequest, prepare
 from .training_run import TrainingOutcome
@@ -277,11 +278,19 @@ class StopOnSignal:
 # --- the command --------------------------------------------------------------------------------
 
 
-def train(config: RunConfig, load_models=None, timeout_minutes: float = 30.0, use_cuda: bool = False) -> int:
+def train(
+    config: RunConfig,
+    load_models=None,
+    timeout_minutes: float = 30.0,
+    use_cuda: bool = False,
+    checked=None,
+) -> int:
+    """`checked`: the dataset's scan (`check_dataset`) when the caller made it, as the command
+    line does before ComfyUI boots (`preflight.check_run`)."""
     collective = distributed.start(use_cuda, timeout_seconds=timeout_minutes * 60)
     rank = distributed.rank_of(collective)
     try:
-        return _train(config, load_models or load_models_stock, collective)
+        return _train(config, load_models or load_models_stock, collective, checked)
     except PeerLost as error:
         print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
         return 1
@@ -291,14 +300,15 @@ def train(config: RunConfig, load_models=None, timeout_minutes: float = 30.0, us
             sys.stdout.flush()
 
 
-def _train(config: RunConfig, load_models, collective: Collective | None) -> int:
+def _train(config: RunConfig, load_models, collective: Collective | None, checked=None) -> int:
     rank, world = distributed.rank_of(collective), distributed.world_size_of(collective)
     if world > 1:
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
         prepared = in_section("train", lambda: prepare_run(config, collective))
         # the folder and every file in it, before minutes of loading a model
-        checked = in_section("dataset", lambda: check_dataset(config.dataset, confined=False))
+        if checked is None:
+            checked = in_section("dataset", lambda: check_dataset(config.dataset, confined=False))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
@@ -321,18 +331,6 @@ def _train(config: RunConfig, load_models, collective: Collective | None) -> int
     return _finish(prepared, outcome, rank)
 
 
-def in_section(section: str, action):
-    """Run `action`; a ValueError it raises names the config section (`[train] lora_name: ...`)
-    unless it already does."""
-    try:
-        return action()
-    except ValueError as error:
-        message = str(error)
-        if message.startswith("["):
-            raise
-        raise ValueError(f"[{section}] {message}") from None
-
-
 def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
     paths = prepared.paths
     if outcome.cancelled:
@@ -352,21 +350,20 @@ def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
     return 0
 
 
-def train_command(options, load_models=None) -> int:
+def train_command(options, load_models=None, config: RunConfig | None = None, checked=None) -> int:
+    """`config` and `checked`: the config and the dataset's scan when the command line read and
+    checked them before the boot (`preflight`)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
-        config = load_run_config(options.config)
         return train(
-            config,
+            config or load_run_config(options.config),
             load_models,
             options.timeout_minutes,
             use_cuda=options.use_cuda,  # decided before ComfyUI booted (application.cli)
+            checked=checked,
         )
     except (ValueError, OSError) as error:  # OSError: e.g. an incomplete checkpoint folder
-        message = str(error)
-        if not message.startswith(str(options.config)):  # the config's own errors name it already
-            message = f"{options.config}: {message}"
-        print(f"[kontext-trainer] error: {message}", file=sys.stderr, flush=True)
+        print(refusal(options.config, error), file=sys.stderr, flush=True)
         return 2
 
 

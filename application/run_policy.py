@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ..trainer_core.atomic import folder_problem
 from ..trainer_core.checkpoint import all_checkpoints, checkpoint_problem
+from ..trainer_core.names import lora_stem
 from ..trainer_core.run_files import LoraPaths, replaced_snapshots, snapshot_steps
 
 NO_RESUME = "none"
@@ -156,6 +157,18 @@ def check_existing(paths: LoraPaths, overwrite: bool, resuming: bool = False) ->
             "overwrite to replace it (the old file stays until the new one is saved)"
         )
     return True
+
+
+def check_run_files(
+    lora_name: str, overwrite: bool, resuming: bool, writer: bool = True
+) -> tuple[LoraPaths, bool]:
+    """A run's files under ComfyUI's folders, checked before anything loads: the folders take
+    files (`check_run_folders`, by the process that writes them: `writer`) and the overwrite
+    policy (`check_existing`). Returns the paths and whether a LoRA will be replaced."""
+    paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(lora_name))
+    if writer:
+        check_run_folders(paths)
+    return paths, check_existing(paths, overwrite, resuming=resuming)
 
 
 def temp_dir() -> Path:

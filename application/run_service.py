@@ -30,10 +30,9 @@ from ..trainer_core.config import TrainConfig
 from ..trainer_core.distributed import Collective
 from ..trainer_core.job import MANAGER, Progress, TrainingJob, wait_for
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
-from ..trainer_core.names import lora_stem
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
-from .run_policy import check_existing, check_run_folders, checkpoints_root, loras_dir, temp_dir
+from .run_policy import check_run_files, temp_dir
 from .run_reports import write_problem
 from .training_run import Run, TrainingOutcome, run_training
 
@@ -150,11 +149,9 @@ class PreparedRun:
 def prepare(request: RunRequest) -> PreparedRun:
     """The checks that need no model: the LoRA's name, the overwrite policy, a complete
     checkpoint to resume (its state.json read here), and what the run starts from."""
-    paths = LoraPaths(loras_dir(), checkpoints_root(), lora_stem(request.lora_name))
-    if request.collective is None or request.collective.rank == 0:  # the process that writes
-        check_run_folders(paths)
     resuming = request.resume is not None
-    replaces = check_existing(paths, request.overwrite, resuming=resuming)
+    writer = request.collective is None or request.collective.rank == 0  # the process that writes
+    paths, replaces = check_run_files(request.lora_name, request.overwrite, resuming, writer)
     state = read_state(request.resume) if resuming else None  # or a message naming what is missing
     start = None if resuming else request.start_from
     run = Run(

@@ -13,6 +13,28 @@ from pathlib import Path
 from types import ModuleType
 
 
+def boot_folders(root: Path, base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True) -> None:
+    """The first half of `boot`: ComfyUI's options set as `main.py` sets them (`--cpu` unless
+    `use_cuda`, `--base-directory`, `--disable-dynamic-vram` unless `dynamic_vram`) and its folder
+    layout (`folder_paths`) imported, which reads them. Neither imports torch or ComfyUI's model
+    code (a second or so less than the whole boot, which takes ten): the command line checks the
+    run's files and dataset here, so a refusal comes before the boot."""
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    from comfy.cli_args import args  # defaults: ComfyUI parses no command line unless main.py asks
+
+    args.cpu = not use_cuda
+    args.disable_auto_launch = True
+    if base_directory is not None:
+        args.base_directory = str(base_directory)
+    if hasattr(args, "disable_dynamic_vram") and not dynamic_vram:
+        args.disable_dynamic_vram = True
+    import folder_paths
+
+    if base_directory is not None and Path(folder_paths.base_path).resolve() != base_directory.resolve():
+        raise RuntimeError(f"ComfyUI's folders were set before boot: {folder_paths.base_path}")
+
+
 def boot(
     root: Path,
     pack: ModuleType,
@@ -20,37 +42,28 @@ def boot(
     use_cuda: bool,
     dynamic_vram: bool = True,
 ) -> ModuleType:
-    """ComfyUI (at `root`) in this process, set as `main.py` sets it (`--cpu` unless
-        `use_cuda`, `--base-directory`), then the pack's `__init__.py` run in `pack` (its package,
-    set up by `trainer_core/__main__.py`) and its nodes registered as ComfyUI's loader does.
+    """ComfyUI (at `root`) in this process, set as `main.py` sets it (`boot_folders`; the caller
+    may have made it first, and a second changes nothing), then the pack's `__init__.py` run in
+    `pack` (its package, set up by `trainer_core/__main__.py`) and its nodes registered as
+    ComfyUI's loader does.
 
         On a GPU it loads models the way the server does on the same machine: the caller has let
         ComfyUI's `cuda_malloc` pick the allocator before importing torch (`choose_allocator`,
         called by the CLI's `wants_cuda`), and on a ComfyUI with dynamic VRAM (0.33) comfy-aimdo is
         set up as `main.py` sets it up, unless `dynamic_vram` is False (the CLI's
         --disable-dynamic-vram). The mode chosen, and why, is printed (`loading_mode`)."""
-    if str(root) not in sys.path:
-        sys.path.insert(0, str(root))
+    boot_folders(root, base_directory, use_cuda, dynamic_vram)
     import torch
-    from comfy.cli_args import args  # defaults: ComfyUI parses no command line unless main.py asks
+    from comfy.cli_args import args
 
-    args.cpu = not use_cuda
-    args.disable_auto_launch = True
-    if base_directory is not None:
-        args.base_directory = str(base_directory)
     has_dynamic_vram = hasattr(args, "disable_dynamic_vram")
-    if has_dynamic_vram and not dynamic_vram:
-        args.disable_dynamic_vram = True
     aimdo = None
     if use_cuda:
         if has_dynamic_vram and _enables_dynamic_vram():
             aimdo = _init_aimdo(args)  # before comfy imports aimdo's submodules, as main.py
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))  # torchrun: this process's GPU
     import comfy.model_management  # noqa: F401  (device selection reads args)
-    import folder_paths
 
-    if base_directory is not None and Path(folder_paths.base_path).resolve() != base_directory.resolve():
-        raise RuntimeError(f"ComfyUI's folders were set before boot: {folder_paths.base_path}")
     # main.py's import order: ComfyUI's `utils` package before `nodes` (which puts comfy/ first
     # on sys.path, where comfy/utils.py would shadow it)
     for module in ("utils.extra_config", "execution", "server", "nodes"):

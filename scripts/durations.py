@@ -6,7 +6,9 @@ first test's setup, so it lands on its file).
     .venv/bin/python scripts/durations.py --top 15 a.xml  # the 15 slowest files of one report
 
 Prints, per report: the total, each layer's total (tests/<layer>/...), then the slowest files
-(setup, call and teardown together) with their test counts: the table issue 40 asks for."""
+(setup, call and teardown together) with their test counts: the table issue 40 asks for. Beside
+each time, the CPU seconds the tests and everything they started used (the `cpu_s` property
+tests/conftest.py records): with runs sharing 2 cores, the time says how busy the machine was."""
 
 from __future__ import annotations
 
@@ -30,22 +32,31 @@ def file_of(case: ET.Element) -> str:
 def summary(report: Path, top: int) -> str:
     root = ET.parse(report).getroot()
     per_file: dict[str, float] = collections.defaultdict(float)
+    cpu_file: dict[str, float] = collections.defaultdict(float)
     counts: dict[str, int] = collections.Counter()
     for case in root.iter("testcase"):
         where = file_of(case)
         per_file[where] += float(case.get("time", 0))
+        cpu = [float(p.get("value", 0)) for p in case.iter("property") if p.get("name") == "cpu_s"]
+        cpu_file[where] += sum(cpu)
         counts[where] += 1
     per_layer: dict[str, float] = collections.defaultdict(float)
+    cpu_layer: dict[str, float] = collections.defaultdict(float)
     for where, seconds in per_file.items():
         parts = where.split("/")
-        per_layer["/".join(parts[:2]) if len(parts) > 2 else where] += seconds
-    total = sum(per_file.values())
-    lines = [f"{report.name}: {total:.0f} s in {sum(counts.values())} tests", ""]
-    lines += ["| layer | s |", "|---|---|"]
-    lines += [f"| {layer} | {s:.0f} |" for layer, s in sorted(per_layer.items(), key=lambda kv: -kv[1])]
-    lines += ["", "| file | tests | s |", "|---|---|---|"]
+        layer = "/".join(parts[:2]) if len(parts) > 2 else where
+        per_layer[layer] += seconds
+        cpu_layer[layer] += cpu_file[where]
+    total, cpu = sum(per_file.values()), sum(cpu_file.values())
+    lines = [f"{report.name}: {total:.0f} s ({cpu:.0f} s of CPU) in {sum(counts.values())} tests", ""]
+    lines += ["| layer | s | CPU s |", "|---|---|---|"]
+    lines += [
+        f"| {layer} | {s:.0f} | {cpu_layer[layer]:.0f} |"
+        for layer, s in sorted(per_layer.items(), key=lambda kv: -kv[1])
+    ]
+    lines += ["", "| file | tests | s | CPU s |", "|---|---|---|---|"]
     slowest = sorted(per_file.items(), key=lambda kv: -kv[1])[:top]
-    lines += [f"| {where} | {counts[where]} | {s:.0f} |" for where, s in slowest]
+    lines += [f"| {where} | {counts[where]} | {s:.0f} | {cpu_file[where]:.0f} |" for where, s in slowest]
     return "\n".join(lines)
 
 

@@ -32,6 +32,44 @@ def pytest_collection_modifyitems(config, items):
             items[:] = [item for item in items if not item.get_closest_marker("version_independent")]
 
 
+def cpu_seconds() -> float:
+    """CPU time of this process and everything under it: its threads, the children it reaped
+    (RUSAGE_CHILDREN), and the live ones (a server, a browser, a command) with what they reaped."""
+    import resource
+
+    import psutil
+
+    own = resource.getrusage(resource.RUSAGE_SELF)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    total = own.ru_utime + own.ru_stime + reaped.ru_utime + reaped.ru_stime
+    for child in psutil.Process().children(recursive=True):
+        try:
+            times = child.cpu_times()
+        except psutil.Error:  # ended since the listing
+            continue
+        total += times.user + times.system + times.children_user + times.children_system
+    return total
+
+
+_CPU_AT_SETUP = pytest.StashKey[float]()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_setup(item):
+    item.stash[_CPU_AT_SETUP] = cpu_seconds()
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Each test's CPU seconds (setup, call and teardown, its servers' and commands' included)
+    as the JUnit property `cpu_s`: on 2 shared cores a test's time says how busy the machine
+    was, its CPU what it costs (scripts/durations.py sums both per file)."""
+    if call.when == "teardown" and _CPU_AT_SETUP in item.stash:
+        item.user_properties.append(("cpu_s", round(cpu_seconds() - item.stash[_CPU_AT_SETUP], 2)))
+    yield
+
+
 @pytest.fixture(scope="session")
 def comfy_runtime(tmp_path_factory):
     """ComfyUI booted in this process (CPU) with the pack loaded as a custom node."""

@@ -18,6 +18,15 @@ TINY_COMMAND = REPO / "tests" / "kt_testing" / "headless_tiny.py"
 # small and quick; every value is a TrainLoRA / LoadKontextDataset one
 TRAIN = {"steps": 6, "rank": 2, "alpha": 2.0, "learning_rate": 1e-3, "gradient_checkpointing": False}
 DATASET = {"resolution": 128, "reference_resolution": 128, "min_size": 0}
+# what the command prints once ComfyUI's runtime is up (comfy_boot.loading_mode), before any model
+BOOT_LINE = "[kontext-trainer] dynamic VRAM "
+
+
+def refused_before_the_boot(result) -> bool:
+    """The command ended before ComfyUI's runtime booted, so before any model loaded (a refusal
+    there takes 2-3 s with the tiny models on 0.33; after the boot it took 8-10 s, and after the
+    model load minutes for a real Flux)."""
+    return BOOT_LINE not in result.stdout and "loading the model files" not in result.stdout
 
 
 def toml_value(value) -> str:
