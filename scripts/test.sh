@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75 and, at
 # the same time, the layers that use ComfyUI (nodes, e2e, the GPU layer's skips) on ComfyUI 0.33
-# where set-up unpacked it (.comfyui-0.33/), in two runs (tests/e2e, the rest); tests marked
+# where set-up unpacked it (.comfyui-0.33/): four pytest runs at once (below); tests marked
 # `version_independent` run on 0.33 only. Extra arguments go to every pytest run, e.g.
 # `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one run, on that ComfyUI.
 # `--quick` first (make test-quick): lint, trainer_core and the in-process layers (comfy_adapter,
@@ -56,9 +56,13 @@ if [[ ! -f "$COMFY_033/main.py" ]]; then
 fi
 # Four pytest runs at once, each in its own temporary folder (pytest's numbered folders are
 # shared by every run of this user), their lines prefixed: on each ComfyUI, its servers and
-# browser (tests/e2e, the longest part) and its other layers. With three runs (0.3.75 whole),
-# 0.3.75 was the last to end, alone on the machine for its last 250 s (1721 s against 1467 and
-# 1236 s in a fresh clone on faa510a). A server checks that the port it answers on is its own
+# browser (tests/e2e, the longest part) and its other layers. The suite is bound by the CPU:
+# six runs (0.33's e2e and in-process runs each cut in two) kept both cores busy from start to
+# end and ended later than four, 1899 s against 1699 s (the same tree, cf48ebf, one run after
+# the other): 3743 core-s of CPU (a fresh clone's four: about 2800, set-up included), the memory
+# in use up to 23.4 of 24 GiB (four: about 14). With three runs (0.3.75 whole), 0.3.75
+# was the last to end, alone on the machine for its last 250 s (1721 s against 1467 and 1236 s
+# in a fresh clone on faa510a). A server checks that the port it answers on is its own
 # (scripts/comfy_server.py). Tests whose subject does not depend on ComfyUI's version (marker
 # `version_independent`) run once, on 0.33: the ComfyUI users run today.
 # One compute thread per process (the tests, their servers, their subprocesses): with runs at
@@ -67,13 +71,23 @@ fi
 # pytest: tests/families/flux/test_flux_training.py 926 s with 2 threads, 56 s with 1.
 export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
 TEMP="$(mktemp -d "${TMPDIR:-/tmp}/kt-tests.XXXXXX")"
-trap 'rm -rf "$TEMP"' EXIT
+# The machine's memory in use, sampled every 2 s: its peak is printed at the end (the runs at
+# once must fit, and so must a second copy of the suite beside them).
+(
+    peak=0
+    while sleep 2; do
+        used=$(awk '/^MemTotal:/ {t = $2} /^MemAvailable:/ {a = $2} END {print int((t - a) / 1024)}' /proc/meminfo)
+        ((used > peak)) && peak=$used && echo "$peak" > "$TEMP/peak-mib"
+    done
+) &
+sampler=$!
+trap 'kill $sampler 2>/dev/null; rm -rf "$TEMP"' EXIT
 
 on_033() {  # label, then pytest arguments: a run on ComfyUI 0.33
     KONTEXT_TRAINER_COMFYUI="$COMFY_033" PYTHONPATH="$COMFY_033/.kontext-site${PYTHONPATH:+:$PYTHONPATH}" \
         run_pytest "$@"
 }
-
+labels=("0.3.75 e2e" "0.3.75" "0.33 e2e" "0.33 in-process")
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 run_pytest "0.3.75 e2e" --basetemp="$TEMP/0.3.75-e2e" tests/e2e tests/gpu \
     "$@" 2>&1 | sed -u 's/^/[0.3.75 e2e] /' &
 pids=($!)
@@ -86,12 +100,15 @@ on_033 "0.33 in-process" --basetemp="$TEMP/0.33" tests/test_layers.py tests/node
     tests/comfy_adapter tests/families "$@" 2>&1 | sed -u 's/^/[0.33] /' &
 pids+=($!)
 codes=()
-for pid in "${pids[@]}"; do
-    wait "$pid"
+summary=()
+for i in "${!pids[@]}"; do
+    wait "${pids[$i]}"
     codes+=($?)
+    summary+=("${labels[$i]} ${codes[$i]}")
 done
-echo "[test] exit codes: ComfyUI 0.3.75 e2e ${codes[0]}, 0.3.75 ${codes[1]}, 0.33 e2e ${codes[2]}," \
-    "0.33 in-process ${codes[3]}"
+echo "[test] exit codes: $(IFS=,; echo "${summary[*]}" | sed 's/,/, /g')"
+echo "[test] memory in use at the peak: $(cat "$TEMP/peak-mib" 2>/dev/null || echo '?') MiB" \
+    "of $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) MiB"
 .venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75-e2e.xml .test-reports/0.3.75.xml \
     .test-reports/0.33-e2e.xml .test-reports/0.33-in-process.xml || true
 [[ "${codes[*]}" == "0 0 0 0" ]]
