@@ -60,11 +60,12 @@ fi
 # six runs (0.33's e2e and in-process runs each cut in two) kept both cores busy from start to
 # end and ended later than four, 1899 s against 1699 s (the same tree, cf48ebf, one run after
 # the other): 3743 core-s of CPU (a fresh clone's four: about 2800, set-up included), the memory
-# in use up to 23.4 of 24 GiB (four: about 14). With three runs (0.3.75 whole), 0.3.75
-# was the last to end, alone on the machine for its last 250 s (1721 s against 1467 and 1236 s
-# in a fresh clone on faa510a). A server checks that the port it answers on is its own
-# (scripts/comfy_server.py). Tests whose subject does not depend on ComfyUI's version (marker
-# `version_independent`) run once, on 0.33: the ComfyUI users run today.
+# in use up to 23.4 of 24 GiB (four: up to 19.4 GiB in a fresh clone on 0effada). With three
+# runs (0.3.75 whole), 0.3.75 was the last to end, alone on the machine for its last 250 s
+# (1721 s against 1467 and 1236 s in a fresh clone on faa510a). A server checks that the port
+# it answers on is its own (scripts/comfy_server.py). Tests whose subject does not depend on
+# ComfyUI's version (marker `version_independent`) run once, on 0.33: the ComfyUI users run
+# today.
 # One compute thread per process (the tests, their servers, their subprocesses): with runs at
 # once, and a run beside them, PyTorch's default of a thread per core has every process's
 # OpenMP threads spin-waiting on cores the others need. Measured on 2 cores beside another
