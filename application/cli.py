@@ -146,8 +146,8 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
     from . import headless  # after the boot: it imports ComfyUI
 
     if options.command == "train":
-        return headless.train_command(options, load_models, config, checked)
-    return headless.convert_command(options)
+        return headless.train_command(options, config, checked, load_models)
+    return headless.convert_command(options, config)
 
 
 def _read_config(path: Path):

@@ -34,8 +34,8 @@ from ..trainer_core.atomic import write_atomic
 from ..trainer_core.choices import JobStatus
 from ..trainer_core.distributed import Collective, PeerLost
 from ..trainer_core.job import Progress
-from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config, load_run_config
-from .datasets import check_dataset, load_dataset
+from ..trainer_core.run_config import ModelFiles, RunConfig, dump_run_config
+from .datasets import load_dataset
 from .preflight import in_section, refusal
 from .run_policy import resume_folder, start_file
 from .run_service import PreparedRun, RunRequest, prepare
@@ -120,7 +120,7 @@ def _loading(key: str, value: str, loader: str):
 # --- 2) the dataset -----------------------------------------------------------------------------
 
 
-def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None, checked=None):
+def prepare_dataset(vae, clip, config: RunConfig, collective: Collective | None, checked):
     """LoadKontextDataset's dataset (`checked`: `check_dataset`'s scan of it, made before the
     models loaded); data parallel, the first process of each machine encodes what the cache
     lacks while the others wait, then they read it (all cache hits), and all processes must see
@@ -279,14 +279,10 @@ class StopOnSignal:
 
 
 def train(
-    config: RunConfig,
-    load_models=None,
-    timeout_minutes: float = 30.0,
-    use_cuda: bool = False,
-    checked=None,
+    config: RunConfig, checked, load_models=None, timeout_minutes: float = 30.0, use_cuda: bool = False
 ) -> int:
-    """`checked`: the dataset's scan (`check_dataset`) when the caller made it, as the command
-    line does before ComfyUI boots (`preflight.check_run`)."""
+    """`checked`: the dataset's scan (`check_dataset`), which the command line made before
+    ComfyUI booted (`preflight.check_run`)."""
     collective = distributed.start(use_cuda, timeout_seconds=timeout_minutes * 60)
     rank = distributed.rank_of(collective)
     try:
@@ -300,15 +296,12 @@ def train(
             sys.stdout.flush()
 
 
-def _train(config: RunConfig, load_models, collective: Collective | None, checked=None) -> int:
+def _train(config: RunConfig, load_models, collective: Collective | None, checked) -> int:
     rank, world = distributed.rank_of(collective), distributed.world_size_of(collective)
     if world > 1:
         say(f"data parallel: {world} processes, global batch {world} x {config.train.batch_size}", rank)
     with StopOnSignal(rank) as stop:
         prepared = in_section("train", lambda: prepare_run(config, collective))
-        # the folder and every file in it, before minutes of loading a model
-        if checked is None:
-            checked = in_section("dataset", lambda: check_dataset(config.dataset, confined=False))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         say(f"training on {model.load_device}", rank)
@@ -350,34 +343,34 @@ def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
     return 0
 
 
-def train_command(options, load_models=None, config: RunConfig | None = None, checked=None) -> int:
-    """`config` and `checked`: the config and the dataset's scan when the command line read and
-    checked them before the boot (`preflight`)."""
+def train_command(options, config: RunConfig, checked, load_models=None) -> int:
+    """`config` and `checked`: the config and the dataset's scan, which the command line read and
+    checked before the boot (`preflight`)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     try:
         return train(
-            config or load_run_config(options.config),
+            config,
+            checked,
             load_models,
             options.timeout_minutes,
             use_cuda=options.use_cuda,  # decided before ComfyUI booted (application.cli)
-            checked=checked,
         )
     except (ValueError, OSError) as error:  # OSError: e.g. an incomplete checkpoint folder
         print(refusal(options.config, error), file=sys.stderr, flush=True)
         return 2
 
 
-def convert_command(options) -> int:
+def convert_command(options, config: RunConfig | None) -> int:
+    """`config`: the `workflow` command's config, read before the boot (application.cli)."""
     try:
         if options.command == "config":
             import folder_paths
 
             data = json.loads(Path(options.from_workflow).read_text(encoding="utf-8"))
             base = Path(folder_paths.base_path)
-            config = config_from_workflow(data, base, options.node)
-            text = dump_run_config(config, RUN_FILE)
+            text = dump_run_config(config_from_workflow(data, base, options.node), RUN_FILE)
         else:
-            text = json.dumps(workflow_from_config(load_run_config(options.config)), indent=2) + "\n"
+            text = json.dumps(workflow_from_config(config), indent=2) + "\n"
     except (OSError, ValueError) as error:
         print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
         return 2
