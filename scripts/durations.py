@@ -4,6 +4,7 @@ first test's setup, so it lands on its file).
 
     .venv/bin/python scripts/durations.py                 # every report in .test-reports/
     .venv/bin/python scripts/durations.py --top 15 a.xml  # the 15 slowest files of one report
+    .venv/bin/python scripts/durations.py --failures a.xml b.xml  # what failed, one line each
 
 Prints, per report: the total, each layer's total (tests/<layer>/...), then the slowest files
 (setup, call and teardown together) with their test counts: the table issue 40 asks for. Beside
@@ -60,11 +61,37 @@ def summary(report: Path, top: int) -> str:
     return "\n".join(lines)
 
 
+def failures(report: Path) -> list[str]:
+    """A line per failed or erroring test of a report: its id and the first line of its message.
+    `scripts/test.sh` prints these last, so that the end of a CI log (often all it keeps) says
+    what failed."""
+    root = ET.parse(report).getroot()
+    lines = []
+    for case in root.iter("testcase"):
+        for outcome in ("failure", "error"):
+            for found in case.findall(outcome):
+                message = (found.get("message") or found.text or "").strip().splitlines()
+                where = f"{file_of(case)}::{case.get('name')}"
+                lines.append(f"{outcome}: {where}: {message[0][:300] if message else '(no message)'}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("reports", nargs="*", type=Path)
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument("--failures", action="store_true", help="list what failed, not the time")
     options = parser.parse_args()
+    if options.failures:
+        for report in options.reports:
+            if not report.is_file():
+                print(f"{report.name}: no report (the run ended before pytest wrote it: see its lines)")
+                continue
+            found = failures(report)
+            print(f"{report.name}: " + (f"{len(found)} failed" if found else "nothing failed"))
+            for line in found:
+                print(f"  {line}")
+        return
     reports = options.reports or sorted(REPORTS.glob("*.xml"))
     if not reports:
         raise SystemExit(f"no reports: run scripts/test.sh first (it writes {REPORTS}/*.xml)")

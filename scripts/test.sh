@@ -89,6 +89,7 @@ on_033() {  # label, then pytest arguments: a run on ComfyUI 0.33
         run_pytest "$@"
 }
 labels=("0.3.75 e2e" "0.3.75" "0.33 e2e" "0.33 in-process")
+rm -f .test-reports/*.xml  # a run that dies before its report leaves none, not an old one
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 run_pytest "0.3.75 e2e" --basetemp="$TEMP/0.3.75-e2e" tests/e2e tests/gpu \
     "$@" 2>&1 | sed -u 's/^/[0.3.75 e2e] /' &
 pids=($!)
@@ -107,9 +108,14 @@ for i in "${!pids[@]}"; do
     codes+=($?)
     summary+=("${labels[$i]} ${codes[$i]}")
 done
-echo "[test] exit codes: $(IFS=,; echo "${summary[*]}" | sed 's/,/, /g')"
+reports=()
+for label in "${labels[@]}"; do
+    reports+=(".test-reports/${label//[^A-Za-z0-9.]/-}.xml")
+done
+.venv/bin/python scripts/durations.py --top 15 "${reports[@]}" || true
+# Last, what failed: a CI log may keep only its end.
 echo "[test] memory in use at the peak: $(cat "$TEMP/peak-mib" 2>/dev/null || echo '?') MiB" \
     "of $(awk '/^MemTotal:/ {print int($2 / 1024)}' /proc/meminfo) MiB"
-.venv/bin/python scripts/durations.py --top 15 .test-reports/0.3.75-e2e.xml .test-reports/0.3.75.xml \
-    .test-reports/0.33-e2e.xml .test-reports/0.33-in-process.xml || true
+.venv/bin/python scripts/durations.py --failures "${reports[@]}" | sed 's/^/[test] /' || true
+echo "[test] exit codes: $(IFS=,; echo "${summary[*]}" | sed 's/,/, /g')"
 [[ "${codes[*]}" == "0 0 0 0" ]]
