@@ -67,6 +67,7 @@ class SetupRun:
     output: str
     seconds: float
     python_calls: list[list[str]]  # what set-up ran with the venv's python (pip's arguments)
+    tar_calls: list[str]  # the arguments of each tar set-up ran (compare or unpack 0.33's tarball)
 
 
 class SetupSandbox:
@@ -94,6 +95,10 @@ class SetupSandbox:
         self.bin.mkdir()
         (self.bin / "chromium").write_text("#!/bin/sh\n")
         (self.bin / "chromium").chmod(0o755)
+        self._tar_log = root / "tar.log"  # the real tar, each call recorded (named tar in its messages)
+        tar = f'#!/bin/bash\necho "$*" >> "$KT_TAR_LOG"\nexec -a tar {shutil.which("tar")} "$@"\n'
+        (self.bin / "tar").write_text(tar)
+        (self.bin / "tar").chmod(0o755)
 
     def pack_033(self) -> None:
         """(Re)write the 0.33 source tarball from `source_033`."""
@@ -120,18 +125,21 @@ class SetupSandbox:
             KT_COMFYUI_033_TARBALL=str(self.tarball),
             KT_FAKE_PIP_LOG=str(self._log),
             KT_FAKE_SITE=str(self.venv_site),
+            KT_TAR_LOG=str(self._tar_log),
             PATH=f"{self.bin}{os.pathsep}{env['PATH']}",
         )
         if comfyui is not None:
             env["KONTEXT_TRAINER_COMFYUI"] = str(comfyui)
         self._log.write_text("")
+        self._tar_log.write_text("")
         started = time.monotonic()
         done = subprocess.run(
             ["bash", "scripts/setup.sh"], cwd=self.root, env=env, capture_output=True, text=True, timeout=120
         )
         seconds = time.monotonic() - started
         calls = [json.loads(line) for line in self._log.read_text().splitlines()]
-        return SetupRun(done.returncode, done.stdout + done.stderr, seconds, calls)
+        tar_calls = self._tar_log.read_text().splitlines()
+        return SetupRun(done.returncode, done.stdout + done.stderr, seconds, calls, tar_calls)
 
     @staticmethod
     def installed(site: Path) -> set[str]:
