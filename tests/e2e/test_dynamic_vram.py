@@ -13,7 +13,7 @@ grew by more than the model's size while training (measured on ecd75f4: +1352 Mi
 1020 MiB demo Flux), and the copies stayed in the MODEL, which every flow here checks after
 its run. Now the training shares the mapped memory: the LoRA equals the plain server's bit
 for bit, and the growth stays well below the model's size: what a run needs on a CPU is the
-demo's largest layer cast to fp32 (a quarter of the model) and its activations (+341 to +375 MiB
+demo's largest layer cast to fp32 (a quarter of the model) and its activations (+341 to +427 MiB
 here; CI once measured +517 MiB), where a copy adds the whole model; on a GPU the casts land in
 VRAM.
 

@@ -18,6 +18,7 @@ EXAMPLES = REPO_ROOT / "example_workflows"
 WORKFLOWS = sorted(EXAMPLES.glob("*.json"))
 TRAINER = "KontextTrainer_TrainLoRA"
 DATASET = "KontextTrainer_LoadKontextDataset"
+PREVIEW = "KontextTrainer_PreviewSampler"
 # Nodes the frontend draws and never sends (each example's note)
 FRONTEND_ONLY = {"Note", "MarkdownNote"}
 # The canvas's nodes as [id, type] pairs.
@@ -277,9 +278,11 @@ def test_workflow_validates_on_the_server(server, stock_assets, path):
 
 @pytest.mark.slow
 def test_the_inference_example_runs_as_shipped(server, stock_assets):
-    """What `make demo` does, cut short: the training example (one step, overwrite on, the
-    demo's dataset and reference) writes kontext_demo_lora.safetensors; the inference example,
-    unchanged, then loads it and the reference and saves an image."""
+    """What `make demo` does, cut short: the training example (one step, overwrite on, its
+    preview one sampler step instead of 4, the demo's dataset and reference; the held-out loss
+    as shipped) writes kontext_demo_lora.safetensors; the inference example, its KSampler cut to
+    2 steps instead of 8, then loads it and the reference and saves an image. The steps cut are
+    forwards of the stock-size demo Flux (about 2 s of CPU each), not another path."""
     from PIL import Image
 
     import demo_assets
@@ -289,6 +292,7 @@ def test_the_inference_example_runs_as_shipped(server, stock_assets):
     demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
     training = json.loads((EXAMPLES / "api" / "kontext_lora_training.json").read_text())
     training["5"]["inputs"].update(steps=1, save_every=0, overwrite=True)
+    training["10"]["inputs"]["steps"] = 1
     prompt_id, messages = server.run_prompt(training, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
     outputs = server.history(prompt_id)["outputs"]
@@ -296,6 +300,7 @@ def test_the_inference_example_runs_as_shipped(server, stock_assets):
     assert "held-out samples" in outputs["6"]["text"][0]  # the dataset report, shown by PreviewAny
 
     inference = json.loads((EXAMPLES / "api" / "kontext_lora_inference.json").read_text())
+    inference["10"]["inputs"]["steps"] = 2
     prompt_id, messages = server.run_prompt(inference, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
     (saved,) = server.history(prompt_id)["outputs"]["12"]["images"]
@@ -384,14 +389,17 @@ def test_the_demo_makes_every_input_of_the_example(demo_base, path):
 @pytest.mark.slow
 def test_the_flux_dev_training_example_runs_on_the_demo_files(server, demo_files):
     """One of the examples no demo file served before, on the demo's files, cut short (2 steps
-    instead of 24, which take about three minutes on 2 CPU cores) and nothing held out (the
-    held-out loss after the last step, 5 forwards of the Flux, runs as shipped in the Kontext
-    example's test above); every other value as shipped."""
+    instead of 24, which take about three minutes on 2 CPU cores, the preview one sampler step
+    instead of 4) and nothing held out (the held-out loss after the last step, 5 forwards of
+    the Flux, runs as shipped in the Kontext example's test above); every other value as
+    shipped."""
     source = api_source(EXAMPLES / "flux_dev_lora_training.json")
     trainer = next(key for key, node in source.items() if node["class_type"] == TRAINER)
     source[trainer]["inputs"]["steps"] = 2
     dataset = next(key for key, node in source.items() if node["class_type"] == DATASET)
     source[dataset]["inputs"]["hold_out"] = 0
+    preview = next(key for key, node in source.items() if node["class_type"] == PREVIEW)
+    source[preview]["inputs"]["steps"] = 1
     prompt_id, messages = server.run_prompt(source, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
     result = server.history(prompt_id)["outputs"][trainer]

@@ -114,20 +114,27 @@ def ksampler_inputs(model, conditioning, latent: dict) -> dict:
 
 
 DEMO_TRAINING = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
+DEMO_TEST_SIZE = 64  # the demo flows' reference and preview size in tests (the example's: 128)
 
 
-def demo_training(lora_name: str, steps: int = 2, preview: bool = True, **settings) -> dict:
+def demo_training(
+    lora_name: str, steps: int = 2, preview: bool = True, size: int = DEMO_TEST_SIZE, **settings
+) -> dict:
     """The shipped Kontext training example (what `make demo` queues, on the demo's files), cut
     to `steps` steps, no snapshots, and nothing held out: no held-out loss after the last step
     (5 forwards of the demo Flux, measured at a third of a 2-step run on 0.3.75: 623 of 1909
     samples of TrainLoRA's thread, py-spy; the preview 532, the 2 steps 393; the example's own
-    test runs it as shipped). `preview` off: PreviewSampler is not connected. `settings`:
-    TrainLoRA's other inputs."""
+    test runs it as shipped). The references and the preview at `size` pixels (the targets at
+    the example's 128, the dataset's least resolution) and the preview one sampler step (the
+    example's 4): what these flows test is the path, not the images. `preview` off: PreviewSampler is not
+    connected. `settings`: TrainLoRA's other inputs."""
     import json
 
     workflow = json.loads(DEMO_TRAINING.read_text())
     workflow["5"]["inputs"].update(steps=steps, save_every=0, lora_name=lora_name, **settings)
-    workflow["4"]["inputs"]["hold_out"] = 0
+    workflow["4"]["inputs"].update(hold_out=0, reference_resolution=size)
+    workflow["9"]["inputs"]["reference_resolution"] = size
+    workflow["10"]["inputs"].update(width=size, height=size, steps=1)
     if not preview:
         del workflow["5"]["inputs"]["preview"], workflow["10"]
     return workflow
