@@ -98,12 +98,14 @@ NO_PREVIEWS = """(id) => window.comfyAPI.app.app.graph.getNodeById(id).ktTrainin
     .querySelector('.kt-no-previews').innerText"""
 
 
+@pytest.fixture
+def comfy_page(returning_users_page):
+    return returning_users_page(WINDOW)
+
+
 def open_blank_canvas(page, server):
-    """A 1920 x 1080 window on an empty workflow (no template browser on top), the page's
-    start-up problems forgotten."""
-    page.set_viewport_size(WINDOW)
-    server.post_json("/settings/Comfy.TutorialCompleted", True)
-    page.reload()
+    """An empty workflow (no template browser on top) on the page, once the start-up workflow
+    has been restored (else it can replace the empty one)."""
     page.wait_for_function(
         extension_registered(
             "KontextTrainer.TrainingPanel", f"!!window.LiteGraph?.registered_node_types?.['{TRAIN}']"

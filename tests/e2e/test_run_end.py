@@ -11,7 +11,7 @@ import re
 import pytest
 
 from kt_testing.datasets import write_one_folder
-from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page, reload
+from kt_testing.frontend import RUN_SHOWN, open_workflow, queue_from_page
 from kt_testing.graphs import training_graph
 
 CANCEL_STEPS = 40  # long enough on the tiny model that the Cancel lands while it trains
@@ -42,10 +42,9 @@ def dataset(server):
     )
 
 
-def prepare(page, server):
-    page.set_viewport_size({"width": 1920, "height": 1080})
-    server.post_json("/settings/Comfy.TutorialCompleted", True)  # no template browser on top
-    reload(page)
+@pytest.fixture
+def comfy_page(returning_users_page):
+    return returning_users_page({"width": 1920, "height": 1080})
 
 
 def cancel_from_page(page, server, prompt_id: str) -> dict:
@@ -66,7 +65,6 @@ def cancel_from_page(page, server, prompt_id: str) -> dict:
 def test_after_a_cancel_resume_from_lists_the_checkpoint_without_a_reload(
     comfy_page, server, dataset, to_ui_format
 ):
-    prepare(comfy_page, server)
     graph = training_graph(dataset, "kt_listed_cut", steps=CANCEL_STEPS, overwrite=True)
     open_workflow(comfy_page, to_ui_format, graph, "listed_cut.json")
     assert comfy_page.evaluate(OPTIONS, [5, "resume_from"])["value"] == "none"
@@ -82,7 +80,6 @@ def test_after_a_cancel_resume_from_lists_the_checkpoint_without_a_reload(
 
 
 def test_after_a_finished_run_a_lora_loader_lists_the_new_lora(comfy_page, server, dataset, to_ui_format):
-    prepare(comfy_page, server)
     open_workflow(comfy_page, to_ui_format, training_graph(dataset, "kt_listed_lora", steps=3), "listed.json")
     # a stock LoraLoader beside it, as a user adds one to try the LoRA once it is trained
     loader = comfy_page.evaluate(ADD_LORA_LOADER, [0, 1200])
@@ -114,7 +111,6 @@ def test_a_cancel_does_not_show_as_failed(comfy_page, server, dataset, to_ui_for
     says "cancelled", and no banner says the job failed. Frontend 1.49.6 counts every cancelled
     job as failed (utils/queueUtil.ts `jobStateFromTask`: Cancelled -> failed; a stock KSampler's
     Cancel too): there this test is an expected failure as long as the server says cancelled."""
-    prepare(comfy_page, server)
     graph = training_graph(dataset, "kt_cancel_shown", steps=CANCEL_STEPS, overwrite=True)
     open_workflow(comfy_page, to_ui_format, graph, "cancel_shown.json")
     comfy_page.evaluate(RECORD_BANNERS)

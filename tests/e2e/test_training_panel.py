@@ -41,10 +41,9 @@ def dataset(server):
     )
 
 
-def prepare(page, server):
-    page.set_viewport_size({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
-    server.post_json("/settings/Comfy.TutorialCompleted", True)  # no template browser on top
-    reload(page)
+@pytest.fixture
+def comfy_page(returning_users_page):
+    return returning_users_page({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
 
 
 def wait_until_finished(page, server, prompt_id, steps):
@@ -60,11 +59,14 @@ def wait_until_finished(page, server, prompt_id, steps):
 
 
 def record_panel(page):
-    """Record what the panel shows (run, status, chart points) every 20 ms, from now on."""
+    """Record what the panel shows (run, status, chart points) from now on: after each progress
+    event the page receives (the panel's own listener, registered first, has drawn it), and
+    every 20 ms between them. A run of a few tiny steps can be "running" for less than the
+    sampling gap when the renderer is busy (seen: a sampler alone recorded queued, finished)."""
     page.evaluate(
         """() => {
             window.ktSeen = [];
-            window.ktRecorder = setInterval(() => {
+            window.ktRecord = () => {
                 const run = window.KontextTrainer.runShown('5');
                 const graph = window.comfyAPI.app.app.graph;
                 const status = graph.getNodeById(5)?.ktTrainingPanel?.querySelector('.kt-status').textContent;
@@ -72,8 +74,19 @@ def record_panel(page):
                               step: run?.progress.step ?? 0};
                 const last = window.ktSeen.at(-1);
                 if (!last || JSON.stringify(last) !== JSON.stringify(seen)) window.ktSeen.push(seen);
-            }, 20);
+            };
+            window.comfyAPI.api.api.addEventListener('kontext_trainer.progress', window.ktRecord);
+            window.ktRecorder = setInterval(window.ktRecord, 20);
         }"""
+    )
+
+
+def recorded(page) -> list[dict]:
+    """What `record_panel` recorded; recording stops."""
+    return page.evaluate(
+        """() => { clearInterval(window.ktRecorder);
+                   window.comfyAPI.api.api.removeEventListener('kontext_trainer.progress', window.ktRecord);
+                   return window.ktSeen; }"""
     )
 
 
@@ -83,7 +96,6 @@ def in_order(values, expected):
 
 
 def test_two_runs_in_a_row_restart_the_chart_and_keep_the_previews(comfy_page, server, dataset, to_ui_format):
-    prepare(comfy_page, server)
     graph = training_graph(dataset, "kt_panel_run", steps=8, preview_every=4, overwrite=True)
     open_workflow(comfy_page, to_ui_format, graph, "panel_runs.json")
 
@@ -100,7 +112,7 @@ def test_two_runs_in_a_row_restart_the_chart_and_keep_the_previews(comfy_page, s
     record_panel(comfy_page)
     second = queue_from_page(comfy_page)
     entry = wait_until_finished(comfy_page, server, second, 6)
-    seen = comfy_page.evaluate("() => { clearInterval(window.ktRecorder); return window.ktSeen; }")
+    seen = recorded(comfy_page)
     mine = [s for s in seen if s["prompt"] == second]
     statuses = [s["status"] for s in mine]
     assert statuses[0] == "queued", seen  # as soon as it is queued, not the last run's "finished"
@@ -154,7 +166,6 @@ def test_two_runs_in_a_row_restart_the_chart_and_keep_the_previews(comfy_page, s
 
 
 def test_a_second_workflow_tab_shows_only_its_own_runs(comfy_page, server, dataset, to_ui_format):
-    prepare(comfy_page, server)
     graph_a = training_graph(dataset, "kt_panel_tab_a", steps=4, overwrite=True)
     workflow_a = open_workflow(comfy_page, to_ui_format, graph_a, "panel_a.json")
     prompt_a = queue_from_page(comfy_page)
@@ -202,7 +213,6 @@ def python_smoothing(losses, beta=0.9):
 
 
 def test_smoothing_matches_python_and_a_million_steps_draw_fast(comfy_page, server, dataset, to_ui_format):
-    prepare(comfy_page, server)
     rng = random.Random(7)
     series = [rng.uniform(0.05, 2.0) for _ in range(300)]
     smoothed = comfy_page.evaluate("(xs) => Array.from(window.KontextTrainer.smoothLosses(xs))", series)
@@ -276,7 +286,6 @@ def test_smoothing_matches_python_and_a_million_steps_draw_fast(comfy_page, serv
 def test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab(
     comfy_page, chromium, server, dataset, to_ui_format
 ):
-    prepare(comfy_page, server)
     graph = training_graph(dataset, "kt_panel_reload", steps=100_000)
     open_workflow(comfy_page, to_ui_format, graph, "panel_reload.json")
     # queued through the bare HTTP API (no workflow): shown on node 5 of a workflow without runs
@@ -399,7 +408,6 @@ def test_validation_curve_from_events_and_after_a_reload(comfy_page, server, dat
     after step 2 never come as events) and a progress route served by the test: the panel
     fetches the missing points, draws each at its step on the training loss's axes, and after
     a reload redraws them from the route alone."""
-    prepare(comfy_page, server)
     served = {"state": run_state(1, [])}
 
     def progress_route(route):
