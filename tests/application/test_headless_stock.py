@@ -47,7 +47,7 @@ def base(tmp_path_factory, comfy_runtime):  # checking the cached Flux's names i
         flux = base / "models" / "diffusion_models" / "kontext-trainer-demo-flux.safetensors"
         flux.unlink()
         write_narrow_flux(flux)
-    write_demo_dataset(base / "input" / "kontext_demo")
+    write_demo_dataset(base / "input" / "kontext_demo", count=3)  # both aspect buckets
     return base
 
 
@@ -86,11 +86,13 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
     )
     assert result.returncode == 0, result.stderr
     # a short run of the example (the edits a user would make to try it), nothing held out: the
-    # held-out loss after the last step is 5 forwards of the Flux, more than the 2 steps cost
+    # held-out loss after the last step is 5 forwards of the Flux, more than the 2 steps cost;
+    # the references at 64 px (a quarter of the example's tokens for them)
     text = config.read_text()
-    for key, value in (("steps", "24"), ("save_every", "12"), ("validate_every", "8"), ("hold_out", "1")):
-        assert f"\n{key} = {value}\n" in text
-    for key, value in (("steps", "2"), ("save_every", "0"), ("validate_every", "0"), ("hold_out", "0")):
+    edits = {"steps": (24, 2), "save_every": (12, 0), "validate_every": (8, 0), "hold_out": (1, 0)}
+    edits["reference_resolution"] = (128, 64)
+    for key, (shipped, value) in edits.items():
+        assert f"\n{key} = {shipped}\n" in text
         text = re.sub(rf"\n{key} = \d+\n", f"\n{key} = {value}\n", text)
     config.write_text(text)
     result = trainer_core("train", "--config", str(config), "--cpu")
