@@ -9,7 +9,8 @@
 # subprocess tests (tests/application) wait for `make test`. The loop for daily work, not a
 # substitute for CI.
 # Every run prints its 25 slowest tests (--durations) and writes a JUnit report to .test-reports/;
-# a full run ends with the time per layer and the slowest files (scripts/durations.py).
+# a full run then prints the time per layer and the slowest files (scripts/durations.py), and
+# ends with what failed (test id and message, per run) and each run's exit code.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
