@@ -30,19 +30,6 @@ def server(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def replay_server(tmp_path_factory):
-    """One server per session that replays ComfyUI 0.33's reused cast memory
-    (kt_testing/cast_replay.py), for the modules that train on one (each with names and folders
-    of its own, and counting the replays its runs add). A server start costs 10-13 s of CPU and
-    about 900 MiB (measured, both ComfyUIs)."""
-    from kt_testing.cast_replay import CAST_REPLAY_ENV
-
-    base = tmp_path_factory.mktemp("replay-base")
-    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, env={CAST_REPLAY_ENV: "dynamic"}) as running:
-        yield running
-
-
-@pytest.fixture(scope="session")
 def chromium():
     """Playwright driving the system's Chromium (playwright's own browser download is never
     used). Missing Chromium fails in CI, where set-up installs it, and skips elsewhere."""
@@ -106,8 +93,7 @@ def watch_for_problems(page) -> None:
         if unresolved_hosts <= REGISTRY_HOSTS:
             found = [p for p in found if p != UNRESOLVED]
         else:
-            others = sorted(unresolved_hosts - REGISTRY_HOSTS)
-            found.append(f"unresolved hosts besides the registry's: {others}")
+            found.append(f"unresolved hosts besides the registry's: {sorted(unresolved_hosts - REGISTRY_HOSTS)}")
         return found
 
     def forget_problems(settle_ms: int = 1500) -> None:

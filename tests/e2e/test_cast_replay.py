@@ -14,20 +14,27 @@ import math
 
 import pytest
 
-from kt_testing.cast_replay import REPLAY_MARK
+from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAY_MARK
 from kt_testing.datasets import write_one_folder
 from kt_testing.graphs import demo_training, training_graph
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.runs import losses_of, progress_events, run_and_interrupt
+from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
 
 @pytest.fixture(scope="module")
-def servers(server, replay_server):
-    """The session's plain server and its replaying one (the names here are this module's)."""
-    for each in (server, replay_server):
-        folder = each.base_dir / "input" / "kt_replay_set"
-        write_one_folder(folder, ["a", "b", "c"], references=1, size=(64, 64))
-    return server, replay_server
+def servers(tmp_path_factory):
+    plain_base, replay_base = tmp_path_factory.mktemp("plain"), tmp_path_factory.mktemp("replay")
+    with (
+        ComfyServer(plain_base, extra_packs=TEST_NODE_PACKS) as plain,
+        ComfyServer(replay_base, extra_packs=TEST_NODE_PACKS, env={CAST_REPLAY_ENV: "dynamic"}) as replaying,
+    ):
+        for server in (plain, replaying):
+            write_one_folder(
+                server.base_dir / "input" / "kt_replay_set", ["a", "b", "c"], references=1, size=(64, 64)
+            )
+        yield plain, replaying
 
 
 def casts_replayed(server) -> int:

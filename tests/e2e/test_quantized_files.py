@@ -22,23 +22,27 @@ import math
 import pytest
 from safetensors.torch import load_file
 
+from kt_testing.cast_replay import CAST_REPLAY_ENV
 from kt_testing.graphs import demo_training
+from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.quantized_files import FORMS, write_quantized_file
 from kt_testing.runs import progress_events
+from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
 pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def served(replay_server, stock_assets):
-    """The session's replaying server, with the demo's files and dataset."""
+def served(tmp_path_factory, stock_assets):
     import demo_assets
     import demo_dataset
 
-    demo_assets.link_into_models(stock_assets, replay_server.base_dir / "models")
-    demo_dataset.write_demo_dataset(replay_server.base_dir / "input" / "kontext_demo", count=2)
-    return replay_server
+    base = tmp_path_factory.mktemp("quantized-files")
+    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, env={CAST_REPLAY_ENV: "dynamic"}) as running:
+        demo_assets.link_into_models(stock_assets, running.base_dir / "models")
+        demo_dataset.write_demo_dataset(running.base_dir / "input" / "kontext_demo", count=2)
+        yield running
 
 
 def source_flux(stock_assets) -> dict:
