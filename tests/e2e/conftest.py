@@ -93,7 +93,8 @@ def watch_for_problems(page) -> None:
         if unresolved_hosts <= REGISTRY_HOSTS:
             found = [p for p in found if p != UNRESOLVED]
         else:
-            found.append(f"unresolved hosts besides the registry's: {sorted(unresolved_hosts - REGISTRY_HOSTS)}")
+            others = sorted(unresolved_hosts - REGISTRY_HOSTS)
+            found.append(f"unresolved hosts besides the registry's: {others}")
         return found
 
     def forget_problems(settle_ms: int = 1500) -> None:
