@@ -103,7 +103,7 @@ def comfy_page(returning_users_page):
     return returning_users_page(WINDOW)
 
 
-def open_blank_canvas(page, server):
+def open_blank_canvas(page):
     """An empty workflow (no template browser on top) on the page, once the start-up workflow
     has been restored (else it can replace the empty one)."""
     page.wait_for_function(
@@ -127,7 +127,7 @@ def screenshot_dir(tmp_path) -> Path:
 
 
 def test_a_fresh_train_lora_shows_its_panel_at_100_percent(comfy_page, server, tmp_path):
-    open_blank_canvas(comfy_page, server)
+    open_blank_canvas(comfy_page)
     node = comfy_page.evaluate(ADD_NODE, [TRAIN, 1, TITLE_AT])
     layout = comfy_page.evaluate(LAYOUT, node)
     shown = [name for name, _ in layout["shown"]]
@@ -185,7 +185,7 @@ def examples_zoom() -> float:
 
 
 def test_the_empty_chart_is_legible_at_the_examples_zoom(comfy_page, server):
-    open_blank_canvas(comfy_page, server)
+    open_blank_canvas(comfy_page)
     zoom = examples_zoom()
     node = comfy_page.evaluate(ADD_NODE, [TRAIN, zoom, TITLE_AT])
     text = comfy_page.evaluate(CHART_TEXT, node)
@@ -195,7 +195,7 @@ def test_the_empty_chart_is_legible_at_the_examples_zoom(comfy_page, server):
 
 
 def test_the_preview_area_says_whether_a_preview_sampler_is_connected(comfy_page, server):
-    open_blank_canvas(comfy_page, server)
+    open_blank_canvas(comfy_page)
     train = comfy_page.evaluate(ADD_NODE, [TRAIN, 1, TITLE_AT])
     assert "connect a PreviewSampler" in comfy_page.evaluate(NO_PREVIEWS, train)
 

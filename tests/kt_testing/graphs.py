@@ -126,8 +126,8 @@ def demo_training(
     samples of TrainLoRA's thread, py-spy; the preview 532, the 2 steps 393; the example's own
     test runs it as shipped). The references and the preview at `size` pixels (the targets at
     the example's 128, the dataset's least resolution) and the preview one sampler step (the
-    example's 4): what these flows test is the path, not the images. `preview` off: PreviewSampler is not
-    connected. `settings`: TrainLoRA's other inputs."""
+    example's 4): what these flows test is the path, not the images. `preview` off:
+    PreviewSampler is not connected. `settings`: TrainLoRA's other inputs."""
     import json
 
     workflow = json.loads(DEMO_TRAINING.read_text())
