@@ -171,10 +171,37 @@ def module_page(chromium, server):
     """`comfy_page` shared by the tests of one module, for tests that each open a workflow in a
     tab of their own (a page start costs 5-8 s on 2 cores; opening a workflow well under one).
     Each test starts with `forget_problems()` and `kt_testing.frontend.blank_canvas` where it needs the canvas
-    empty, and takes off any listener it adds."""
+    empty, and takes off any listener it adds. The page closes after the module's last test
+    that uses it (`pytest_runtest_teardown` below), not at the module's end."""
     page = open_comfy_page(chromium, server)
     yield page
-    page.close()
+    if not page.is_closed():
+        page.close()
+
+
+_LAST_PAGE_USERS = pytest.StashKey[set]()
+
+
+def pytest_collection_finish(session):
+    """The last test of each module, in the order they run, that uses `module_page`."""
+    last = {}
+    for item in session.items:
+        if "module_page" in getattr(item, "fixturenames", ()):
+            last[item.module] = item
+    session.stash[_LAST_PAGE_USERS] = {id(item) for item in last.values()}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """Closes `module_page` after its last user: an open ComfyUI page costs Chromium about 0.12
+    of a core while it only waits (0.33's frontend at 1920x1080 with an example open, measured),
+    and the slow tests of test_example_workflows.py ran 150 to 160 s after the last one that
+    needed it."""
+    last = id(item) in item.session.stash.get(_LAST_PAGE_USERS, set())
+    page = (getattr(item, "funcargs", None) or {}).get("module_page") if last else None
+    yield
+    if page is not None and not page.is_closed():
+        page.close()
 
 
 @pytest.fixture(scope="module")
