@@ -167,6 +167,28 @@ def returning_users_page(chromium, server):
 
 
 @pytest.fixture(scope="module")
+def module_returning_users_page(chromium, server):
+    """`returning_users_page` shared by the tests of one module (a page start costs Chromium
+    6-7 s of CPU): call it with the viewport; the first call opens the page, later calls return
+    it with what happened before forgotten. Each test starts its own workflow (a blank canvas or
+    a new tab with its own id); the page closes at the module's end."""
+    pages = {}
+
+    def open_page(viewport: dict):
+        key = (viewport["width"], viewport["height"])
+        if key in pages and not pages[key].is_closed():
+            pages[key].forget_problems()
+        else:
+            pages[key] = open_returning_users_page(chromium, server, viewport)
+        return pages[key]
+
+    yield open_page
+    for page in pages.values():
+        if not page.is_closed():
+            page.close()
+
+
+@pytest.fixture(scope="module")
 def module_page(chromium, server):
     """`comfy_page` shared by the tests of one module, for tests that each open a workflow in a
     tab of their own (a page start costs 5-8 s on 2 cores; opening a workflow well under one).

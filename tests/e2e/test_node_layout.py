@@ -99,8 +99,9 @@ NO_PREVIEWS = """(id) => window.comfyAPI.app.app.graph.getNodeById(id).ktTrainin
 
 
 @pytest.fixture
-def comfy_page(returning_users_page):
-    return returning_users_page(WINDOW)
+def comfy_page(module_returning_users_page):
+    """One page for the module: each test starts on a blank canvas (`open_blank_canvas`)."""
+    return module_returning_users_page(WINDOW)
 
 
 def open_blank_canvas(page):

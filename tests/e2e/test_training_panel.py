@@ -41,9 +41,23 @@ def dataset(server):
     )
 
 
+WINDOW = {"width": 1400, "height": 1900}  # TrainLoRA is tall: a window that shows its panel
+# Tests that reload the page: a reload of the shared page, with earlier tests' workflows open,
+# waits on the frontend's unsaved-changes prompt (which the page's watch dismisses).
+RELOADING = {
+    "test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab",
+    "test_validation_curve_from_events_and_after_a_reload",
+}
+
+
 @pytest.fixture
-def comfy_page(returning_users_page):
-    return returning_users_page({"width": 1400, "height": 1900})  # TrainLoRA is tall: show its panel
+def comfy_page(request, module_returning_users_page, returning_users_page):
+    """One page for the module but for the tests that reload it (RELOADING): each test opens
+    its workflow in a tab of its own, with its own id, so earlier tests' runs are not what its
+    panel shows."""
+    if request.function.__name__ in RELOADING:
+        return returning_users_page(WINDOW)
+    return module_returning_users_page(WINDOW)
 
 
 def wait_until_finished(page, server, prompt_id, steps):
