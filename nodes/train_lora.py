@@ -150,16 +150,18 @@ class EventSender:
         self._last: Progress | None = None
         self._sent_at = 0.0
 
-    def __call__(self, progress: Progress) -> None:
+    def __call__(self, progress: Progress) -> bool:
+        """Sends `progress` if it is due; returns whether it was sent."""
         server = _prompt_server()
         if server is None:  # no server (ComfyUI used as a library): nothing to send to
-            return
+            return False
         now = time.monotonic()
         changed_status = self._last is None or progress.status != self._last.status
         if progress == self._last or (not changed_status and now - self._sent_at < MIN_INTERVAL_SECONDS):
-            return
+            return False
         self._last, self._sent_at = progress, now
         server.send_sync(PROGRESS_EVENT, {**self.base, **dataclasses.asdict(progress)})
+        return True
 
 
 # Not "TrainLoRA": node search lists it beside ComfyUI core's "Train LoRA"; the node id stays
@@ -256,8 +258,12 @@ class TrainLoRA(io.ComfyNode):
         send = EventSender(node, prompt_id, workflow_id(cls.hidden.extra_pnginfo), prepared.paths.lora.name)
 
         def on_poll(progress: Progress) -> None:
-            send(progress)
-            bar.update_absolute(progress.step, config.steps)  # also raises on Cancel
+            # ComfyUI's own bar on the node moves with the panel, as often as its events: each
+            # update is a websocket message and a redraw of every open page, and ComfyUI 0.3.75
+            # sends one per call (10 a second: the poll). Cancel is checked on every poll
+            # (`wait_for`), not through the bar's hook.
+            if send(progress):
+                bar.update_absolute(progress.step, config.steps)
 
         interrupted = comfy.model_management.throw_exception_if_processing_interrupted
         outcome = prepared.run_to_end(model, dataset, on_poll, interrupted, preview, meta=send.base)
