@@ -170,8 +170,9 @@ def returning_users_page(chromium, server):
 def module_returning_users_page(chromium, server):
     """`returning_users_page` shared by the tests of one module (a page start costs Chromium
     6-7 s of CPU): call it with the viewport; the first call opens the page, later calls return
-    it with what happened before forgotten. Each test starts its own workflow (a blank canvas or
-    a new tab with its own id); the page closes at the module's end."""
+    it with what happened before forgotten; it closes at the module's end. For tests that each
+    start on a blank canvas and run nothing: the page keeps every run it has seen (see
+    tests/README.md)."""
     pages = {}
 
     def open_page(viewport: dict):

@@ -41,23 +41,14 @@ def dataset(server):
     )
 
 
-WINDOW = {"width": 1400, "height": 1900}  # TrainLoRA is tall: a window that shows its panel
-# Tests that reload the page: a reload of the shared page, with earlier tests' workflows open,
-# waits on the frontend's unsaved-changes prompt (which the page's watch dismisses).
-RELOADING = {
-    "test_panel_is_restored_after_a_reload_and_follows_in_a_second_tab",
-    "test_validation_curve_from_events_and_after_a_reload",
-}
-
-
 @pytest.fixture
-def comfy_page(request, module_returning_users_page, returning_users_page):
-    """One page for the module but for the tests that reload it (RELOADING): each test opens
-    its workflow in a tab of its own, with its own id, so earlier tests' runs are not what its
-    panel shows."""
-    if request.function.__name__ in RELOADING:
-        return returning_users_page(WINDOW)
-    return module_returning_users_page(WINDOW)
+def comfy_page(returning_users_page):
+    """A page of its own for each test (TrainLoRA is tall: a window that shows its panel). Not
+    one page for the module: a page keeps every run it has seen, and a run queued through the
+    bare API before it (another module's, restored from the progress route when the page
+    loaded) is shown on any workflow without runs of its own, which a second tab must not be
+    here (seen in a full run with a shared page)."""
+    return returning_users_page({"width": 1400, "height": 1900})
 
 
 def wait_until_finished(page, server, prompt_id, steps):
