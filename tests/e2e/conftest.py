@@ -173,20 +173,21 @@ def module_returning_users_page(chromium, server):
     it with what happened before forgotten; it closes at the module's end. For tests that each
     start on a blank canvas and run nothing: the page keeps every run it has seen (see
     tests/README.md)."""
-    pages = {}
+    page = None
 
     def open_page(viewport: dict):
-        key = (viewport["width"], viewport["height"])
-        if key in pages and not pages[key].is_closed():
-            pages[key].forget_problems()
+        nonlocal page
+        if page is None:
+            page = open_returning_users_page(chromium, server, viewport)
         else:
-            pages[key] = open_returning_users_page(chromium, server, viewport)
-        return pages[key]
+            if page.viewport_size != viewport:
+                page.set_viewport_size(viewport)
+            page.forget_problems()
+        return page
 
     yield open_page
-    for page in pages.values():
-        if not page.is_closed():
-            page.close()
+    if page is not None:
+        page.close()
 
 
 @pytest.fixture(scope="module")
