@@ -22,13 +22,17 @@ cd "$ROOT"
 .venv/bin/python -m compileall -q -j 0 __init__.py application comfy_adapter nodes trainer_core tests \
     scripts >/dev/null || exit 1
 DURATIONS=(--durations=25 --durations-min=1)
+# Each pytest run takes one of the machine's test lanes (scripts/lanes.sh): a second copy of the
+# suite beside this one waits for lanes rather than running the machine out of memory.
+source scripts/lanes.sh
 
 run_pytest() {  # label, then pytest arguments; a JUnit report per run in .test-reports/
     local label="$1" start=$SECONDS status
     shift
     echo "[test] ComfyUI $label"
     mkdir -p .test-reports
-    .venv/bin/python -m pytest "${DURATIONS[@]}" --junitxml=".test-reports/${label//[^A-Za-z0-9.]/-}.xml" "$@"
+    with_lane "ComfyUI $label" .venv/bin/python -m pytest "${DURATIONS[@]}" \
+        --junitxml=".test-reports/${label//[^A-Za-z0-9.]/-}.xml" "$@"
     status=$?
     echo "[test] ComfyUI $label: pytest finished in $((SECONDS - start)) s with exit code $status"
     if [[ $status -eq 5 ]]; then
