@@ -1,6 +1,8 @@
-"""The cast contract's cost (comfy_adapter/cast_contract.py): step time and bytes saved for the backward
-with every casting Linear recomputed in the backward, against the former step that let autograd
-keep each cast weight, side by side in one run (configurations alternating).
+"""The cast contract's cost (comfy_adapter/cast_contract.py): step time and bytes saved for the
+backward with the contract as it is (a plain cast Linear casts its weight again in the backward),
+with every casting Linear recomputed in the backward instead (the per-layer recompute, which
+ComfyUI's quantized Linear still takes; every casting Linear's on 419e28e), and the former step
+that let autograd keep each cast weight, side by side in one run (configurations alternating).
 
 "saved" is what autograd keeps from the forward for the backward (a saved-tensor hook; under
 block checkpointing it sees the block inputs only, for both designs).
@@ -50,16 +52,20 @@ def main() -> None:
         )
         wide = {"hidden_size": 512, "num_heads": 8, "axes_dim": [16, 24, 24]}
         install = ft.recast_in_backward
+        cast_contract = importlib.import_module(f"{pack}.comfy_adapter.cast_contract")
+        plain_cast = cast_contract.plain_cast_linear
 
-        def run(keep_casts: bool, checkpointing: bool) -> tuple[float, int]:
+        def run(design: str, checkpointing: bool) -> tuple[float, int]:
             model = tiny_flux_patcher(
                 seed=1, dtype=torch.float8_e4m3fn, manual_cast_dtype=torch.float32, **wide
             )
             config = ft.TrainConfig(
                 rank=16, alpha=16.0, targets="attention_mlp", gradient_checkpointing=checkpointing
             )
-            if keep_casts:
+            if design == former:
                 ft.recast_in_backward = lambda module: lambda: None
+            if design == recompute:
+                cast_contract.plain_cast_linear = lambda layer: False
             try:
                 with torch.inference_mode(False), ft.lora_session(model, config) as session:
                     params = session.lora.parameters()
@@ -79,18 +85,20 @@ def main() -> None:
                         saved.append(sum(kept.values()))
             finally:
                 ft.recast_in_backward = install
+                cast_contract.plain_cast_linear = plain_cast
             return statistics.median(times[1:] or times), max(saved)
 
-        ours, former = "recast in backward (ours)", "cast kept by autograd (70adb75)"
+        ours, recompute = "re-cast in backward (ours)", "recompute in backward (419e28e)"
+        former = "cast kept by autograd (70adb75)"
         print(
             f"{'block checkpointing':20s} {'design':34s} {'s/step':>8s} {'time':>6s} "
             f"{'saved MiB':>10s} {'saved':>6s}"
         )
         for checkpointing in (False, True):
-            results = {ours: [], former: []}
+            results = {ours: [], recompute: [], former: []}
             for _ in range(args.rounds):
-                results[former].append(run(True, checkpointing))
-                results[ours].append(run(False, checkpointing))
+                for design in (former, recompute, ours):
+                    results[design].append(run(design, checkpointing))
             base_time = statistics.median(t for t, _ in results[former])
             base_saved = statistics.median(s for _, s in results[former])
             for name, rows in results.items():

@@ -8,35 +8,43 @@ per-stream cast buffers. Anything autograd saves for the backward from such a ca
 `F.linear` under peft's LoRA, ComfyUI's `QuantLinearFunc`, a frozen Linear between two LoRA
 layers) would be read back after ComfyUI reused it: another layer's weight, no error.
 
-One mechanism covers every Linear of the diffusion model (`nn.Linear` and ComfyUI's quantized
-`mixed_precision_ops` Linear, LoRA-wrapped or not): while training, a layer whose forward
-casts runs its own forward (ComfyUI's code, unchanged) under a per-layer non-reentrant
-`torch.utils.checkpoint`. Nothing the cast returned outlives the forward: the backward runs
-ComfyUI's forward of that one layer again (its cast, its `uncast_bias_weight`, its
-`QuantLinearFunc` with `training_fp8_bwd`, its weight functions) and uses that cast at once.
+While training, every Linear of the diffusion model whose forward casts (`casts_per_call`) and
+whose input needs a gradient keeps nothing of its cast past its forward, in one of two ways:
 
-Why this design (issue 29's A2) over an autograd Function that casts again and multiplies by
-the weight itself (A1): ComfyUI's own quantized forward and fp8 backward, weight functions,
-`LowVramPatch` and bypass adapters keep working as ComfyUI writes them, with no copy of its
-backward; the cost is one more forward of each casting layer (a matmul), measured in
-`bench/`. Memory: what the backward keeps of a layer is its input (the LoRA keeps it too),
-never a weight, with or without block checkpointing.
+- **A re-cast in the backward** (`RecastLinear`), for ComfyUI's plain cast Linear (its
+  `forward_comfy_cast_weights` is `cast_bias_weight`, `F.linear`, `uncast_bias_weight`: the
+  bf16 layers dynamic VRAM streams, manual-cast fp8 weights, partial loads, fp8_scaled's
+  scale, a partial load's LoRA as a weight function). The forward is ComfyUI's, run under
+  an autograd Function that saves nothing; the backward asks `cast_bias_weight` for the weight
+  again (so weight functions, `LowVramPatch` and the dynamic VRAM pages apply as in the forward)
+  and multiplies the output's gradient by it at once. The base weights are frozen: the input's
+  gradient is all the backward needs, and it needs no input. One forward matmul per forward,
+  as without the contract; the cost is the second cast (a transfer where weights stream).
+- **A per-layer recompute** (`RecomputeLinear`) for every other casting Linear: ComfyUI's
+  quantized Linear (`mixed_precision_ops`, whose training forward is `QuantLinearFunc`), the
+  fp8 ops whose forward tries an fp8 matmul, a forward a bypass adapter installed. The forward
+  runs without a graph and keeps the layer's input; the backward runs that layer's forward
+  again with a graph (its cast, its `QuantLinearFunc` with `training_fp8_bwd`) and goes back
+  through it at once: one more forward matmul of that layer per step, and no copy of
+  ComfyUI's backward. No node of the first forward survives it, so neither does the fp8 copy
+  of the input `QuantLinearFunc` keeps on its node for the fp8 backward (a checkpoint, which
+  drops saved tensors only, kept it for the whole forward: 1.06 MiB a token at FLUX.1 size).
 
 A layer that does not cast (a full load of a plain Linear) hands autograd its own Parameter,
 which nothing reuses: it runs as before, at no cost.
 
 A recompute reads the layer's input as it is at backward time; an in-place change to it in
 between would go unseen by autograd inside a checkpointed block (the block's checkpoint packs
-what the layer's saves, and nothing saved that way is version-checked; at the top level
-autograd checks the input the layer's checkpoint saves), so the recompute checks the version
-itself and raises autograd's own words ("modified by an inplace operation"), which
-`forward_guard.check_training_backward` reports.
+what the layer saves, and nothing saved that way is version-checked; at the top level
+autograd checks the input the recompute saves), so the recompute checks the version itself
+and raises autograd's own words ("modified by an inplace operation"), which
+`forward_guard.check_training_backward` reports. A re-cast reads no input, so such a change
+cannot alter its gradient.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.utils.checkpoint
 
 
 def is_linear(module: torch.nn.Module) -> bool:
@@ -100,33 +108,101 @@ def own_resident_views(layer: torch.nn.Module) -> int:
     return count
 
 
+def plain_cast_linear(layer: torch.nn.Module) -> bool:
+    """True when the layer's casting forward is ComfyUI's plain one: `cast_bias_weight`, then
+    `F.linear` of the input by that weight and bias, then `uncast_bias_weight` (the
+    `disable_weight_init.Linear` of ComfyUI's ops and the subclasses that keep its `forward`
+    and `forward_comfy_cast_weights`: `manual_cast`, and the ops models load with). Its input
+    gradient is then the output's gradient times the cast weight: `RecastLinear` can run it."""
+    try:
+        from comfy.ops import disable_weight_init
+    except ImportError:
+        return False
+    base, cls = disable_weight_init.Linear, type(layer)
+    return (
+        isinstance(layer, base)
+        and cls.forward is base.forward
+        and cls.forward_comfy_cast_weights is base.forward_comfy_cast_weights
+    )
+
+
+class RecastLinear(torch.autograd.Function):
+    """ComfyUI's forward of a plain cast Linear, keeping nothing for the backward but the layer;
+    the backward casts the weight again (`cast_bias_weight`, as the forward did) and returns the
+    input's gradient, `grad @ weight`, as autograd's linear backward computes it."""
+
+    @staticmethod
+    def forward(ctx, x, wrapper):
+        ctx.wrapper, ctx.dtype, ctx.device = wrapper, x.dtype, x.device
+        return wrapper.forward(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        import comfy.ops
+
+        layer = ctx.wrapper.layer
+        ctx.wrapper.recasts += 1
+        weight, bias, stream = comfy.ops.cast_bias_weight(
+            layer, None, dtype=ctx.dtype, device=ctx.device, bias_dtype=ctx.dtype, offloadable=True
+        )
+        try:
+            return grad.matmul(weight), None
+        finally:
+            comfy.ops.uncast_bias_weight(layer, weight, bias, stream)
+
+
 class RecastInBackward:
-    """A layer's `forward`, run under a per-layer checkpoint when it casts and its input needs
-    a gradient (see the module docstring). Installed as an instance attribute over the class's
-    `forward`, removed by `recast_in_backward`'s returned function."""
+    """A layer's `forward` when it casts and its input needs a gradient (see the module
+    docstring): ComfyUI's plain cast Linear through `RecastLinear` (a re-cast in the backward),
+    any other through `RecomputeLinear` (a recompute in the backward). Installed as an instance attribute
+    over the class's `forward`, removed by `recast_in_backward`'s returned function. `recasts`
+    counts the backward's casts of the first kind."""
 
     def __init__(self, layer: torch.nn.Module):
         self.layer = layer
         # the layer's forward as it is now: ComfyUI's, or one a ComfyUI bypass adapter installed
         self.previous = vars(layer).get("forward")
         self.forward = self.previous or type(layer).forward.__get__(layer)
+        self.by_recast = self.previous is None and plain_cast_linear(layer)
+        self.recasts = 0
 
     def __call__(self, x, *args, **kwargs):
         if not (torch.is_grad_enabled() and x.requires_grad and casts_per_call(self.layer)):
             return self.forward(x, *args, **kwargs)
         own_resident_views(self.layer)
-        version = x._version
+        if self.by_recast and not args and not kwargs:
+            return RecastLinear.apply(x, self)
+        return RecomputeLinear.apply(x, self, args, kwargs)
 
-        def run(x):
-            if x._version != version:  # the recompute would see another input
-                raise RuntimeError(
-                    "one of the variables needed for gradient computation has been modified by an "
-                    f"inplace operation: the input of a {type(self.layer).__name__} changed between "
-                    "its forward and its backward"
-                )
-            return self.forward(x, *args, **kwargs)
 
-        return torch.utils.checkpoint.checkpoint(run, x, use_reentrant=False, preserve_rng_state=False)
+class RecomputeLinear(torch.autograd.Function):
+    """A layer's forward (ComfyUI's, unchanged) run without a graph, its input kept; the
+    backward runs that forward again with a graph (its cast, and ComfyUI's `QuantLinearFunc`
+    with its own fp8 or compute-dtype backward) and back through it at once. Unlike a
+    checkpoint, the first forward leaves no autograd node behind: ComfyUI's `QuantLinearFunc`
+    keeps its fp8 copy of the input on its node (`ctx.q_input`, not a saved tensor, so no
+    checkpoint drops it), and here that copy lives only during the layer's backward."""
+
+    @staticmethod
+    def forward(ctx, x, wrapper, args, kwargs):
+        ctx.wrapper, ctx.args, ctx.kwargs, ctx.version = wrapper, args, kwargs, x._version
+        ctx.save_for_backward(x)
+        return wrapper.forward(x, *args, **kwargs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        if x._version != ctx.version:  # the recompute would see another input
+            raise RuntimeError(
+                "one of the variables needed for gradient computation has been modified by an "
+                f"inplace operation: the input of a {type(ctx.wrapper.layer).__name__} changed between "
+                "its forward and its backward"
+            )
+        with torch.enable_grad():
+            again = x.detach().requires_grad_()
+            out = ctx.wrapper.forward(again, *ctx.args, **ctx.kwargs)
+            (grad_x,) = torch.autograd.grad(out, again, grad)
+        return grad_x, None, None, None
 
 
 def recast_in_backward(diffusion_model: torch.nn.Module):

@@ -119,22 +119,8 @@ def test_the_contract_is_taken_off_when_training_ends(ft, samples):
     assert "forward" not in vars(model.model.diffusion_model.double_blocks[0].img_mlp[0])
 
 
-@pytest.mark.parametrize("block_checkpointed", [False, True], ids=["plain", "in_a_checkpointed_block"])
-def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack, block_checkpointed):
-    """An in-place step on a casting layer's input between its forward and its backward is
-    reported in autograd's words. Plain, PyTorch catches it itself (the layer's checkpoint saves
-    its inputs for the backward, and autograd version-checks them). In a block under gradient
-    checkpointing (`TrainableBlock.run`'s non-reentrant checkpoint), the layer's checkpoint nests
-    in the block's, whose hooks pack everything saved, so autograd checks no version: the
-    recompute's own check is the only one (without it, the weight's gradient comes out wrong
-    with no error), and the message is its own."""
-    import comfy.ops
-
-    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
-    layer = comfy.ops.manual_cast.Linear(4, 4)
-    torch.nn.init.normal_(layer.weight)
-    torch.nn.init.zeros_(layer.bias)
-    layer.comfy_cast_weights = True  # it casts per call: the recompute applies
+def in_place_block(layer):
+    """A block that changes a casting Linear's input in place after the Linear read it."""
 
     def block(x):
         hidden = x * 2
@@ -142,8 +128,35 @@ def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack, b
         hidden.add_(1)  # a later in-place step on the layer's input
         return out * hidden  # saves `hidden`: the block's recompute runs the step again
 
+    return block
+
+
+def casting_linear(op: str):
+    import comfy.ops
+
+    layer = getattr(comfy.ops, op).Linear(4, 4)
+    torch.nn.init.normal_(layer.weight)
+    torch.nn.init.zeros_(layer.bias)
+    layer.comfy_cast_weights = True  # it casts per call: the contract applies
+    return layer
+
+
+@pytest.mark.parametrize("block_checkpointed", [False, True], ids=["plain", "in_a_checkpointed_block"])
+def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack, block_checkpointed):
+    """An in-place step on a recomputed layer's input between its forward and its backward is
+    reported in autograd's words. The layer: ComfyUI's `fp8_ops` Linear, whose forward is not
+    the plain cast (it tries an fp8 matmul first), so it takes the per-layer recompute. Plain,
+    PyTorch catches it itself (the layer's checkpoint saves its inputs for the backward, and
+    autograd version-checks them). In a block under gradient checkpointing (`TrainableBlock.run`'s
+    non-reentrant checkpoint), the layer's checkpoint nests in the block's, whose hooks pack
+    everything saved, so autograd checks no version: the recompute's own check is the only one
+    (without it, the gradient comes out wrong with no error), and the message is its own."""
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
+    layer = casting_linear("fp8_ops")
+    block = in_place_block(layer)
     remove = cast_contract.recast_in_backward(torch.nn.Sequential(layer))
     try:
+        assert not vars(layer)["forward"].by_recast
         x = torch.randn(2, 4, requires_grad=True)
         if block_checkpointed:
             out = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
@@ -155,6 +168,42 @@ def test_an_in_place_change_to_a_linear_input_is_caught_at_the_recompute(pack, b
     finally:
         remove()
     assert "forward" not in vars(layer)
+
+
+@pytest.mark.parametrize("block_checkpointed", [False, True], ids=["plain", "in_a_checkpointed_block"])
+def test_a_re_cast_reads_no_input_so_an_in_place_change_leaves_its_gradient_exact(pack, block_checkpointed):
+    """ComfyUI's plain cast Linear (`manual_cast`) takes the re-cast: its backward needs the
+    cast weight and the output's gradient, not the input, so the same in-place step changes
+    nothing. The gradient equals that of the same block without the in-place step, written
+    out of place on a plain torch Linear (autograd's own linear backward), bit for bit, and the
+    backward cast the weight once."""
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
+    layer = casting_linear("manual_cast")
+    reference_layer = torch.nn.Linear(4, 4)
+    reference_layer.load_state_dict(layer.state_dict())
+    x = torch.randn(2, 4)
+
+    def reference_block(x):
+        hidden = x * 2
+        return reference_layer(hidden) * (hidden + 1)
+
+    expected = x.clone().requires_grad_()
+    reference_block(expected).sum().backward()
+    block = in_place_block(layer)
+    remove = cast_contract.recast_in_backward(torch.nn.Sequential(layer))
+    try:
+        wrapper = vars(layer)["forward"]
+        assert wrapper.by_recast
+        ours = x.clone().requires_grad_()
+        if block_checkpointed:
+            out = torch.utils.checkpoint.checkpoint(block, ours, use_reentrant=False)
+        else:
+            out = block(ours)
+        out.sum().backward()
+        assert wrapper.recasts == 1
+    finally:
+        remove()
+    assert torch.equal(ours.grad, expected.grad)
 
 
 def quantized_tiny_flux():

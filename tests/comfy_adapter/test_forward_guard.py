@@ -114,12 +114,20 @@ def test_a_patch_that_raises_stops_the_run_in_one_line(mods, monkeypatch):
     assert "\n" not in str(raised.value)
 
 
-def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, monkeypatch):
+@pytest.mark.parametrize("path", ["recompute", "re-cast"])
+def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, pack, monkeypatch, path):
     """Should a ComfyUI hand a layer a weight made under inference mode that the trainer does
-    not know to replace (a cast view cached by sampling, under dynamic VRAM), the backward
-    probe says so in one line naming the way out, not autograd's raw error mid-run."""
+    not know to replace (a cast view cached by sampling, under dynamic VRAM), and autograd save
+    it (a layer the cast contract recomputes in the backward, as ComfyUI's quantized Linear:
+    its forward with a graph saves the weight), the backward probe says so in one line naming
+    the way out, not autograd's raw error mid-run. A plain cast Linear's re-cast saves no
+    weight: there the same casts train (the session starts)."""
     import comfy.ops
     import comfyui_version
+
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
+    if path == "recompute":
+        monkeypatch.setattr(cast_contract, "plain_cast_linear", lambda layer: False)
 
     cast = comfy.ops.cast_bias_weight
 
@@ -138,6 +146,10 @@ def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, monk
         rf"cannot train on this ComfyUI \({comfyui_version.__version__}\): a weight ComfyUI hands a layer "
         r"was made under inference mode .* --disable-dynamic-vram"
     )
+    if path == "re-cast":
+        with mods.ft.lora_session(patcher, config) as session:
+            assert session.lora.parameters()
+        return
     with pytest.raises(RuntimeError, match=message) as raised:
         with mods.ft.lora_session(patcher, config):
             pass
