@@ -207,9 +207,10 @@ class RecomputeLinear(torch.autograd.Function):
 
 def recast_in_backward(diffusion_model: torch.nn.Module):
     """Give every ComfyUI Linear of `diffusion_model` (`is_linear`, LoRA base layers included) the
-    per-layer recompute; returns the function that takes it off again (the MODEL is shared:
-    call it when training ends). Layers are found now: attach the LoRA first or after, either
-    way the base layers are the same objects."""
+    cast contract (`RecastInBackward`: a re-cast or a recompute in the backward); returns the
+    function that takes it off again (the MODEL is shared: call it when training ends). Layers
+    are found now: attach the LoRA first or after, either way the base layers are the same
+    objects."""
     wrapped = []
     for layer in diffusion_model.modules():
         comfy_op = hasattr(layer, "comfy_cast_weights")  # not the LoRA's own torch Linears
