@@ -239,6 +239,7 @@ class TrainingRun:
         with lora_session(
             self.model, config, self.initial, self.empty_text, memory_required=working_memory
         ) as session:
+            LOGGER.info("TrainLoRA %s: %s", self.paths.stem, session.contract.describe())
             self._join_processes(session)
             try:
                 result = train(

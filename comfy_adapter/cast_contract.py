@@ -33,6 +33,21 @@ whose input needs a gradient keeps nothing of its cast past its forward, in one 
 A layer that does not cast (a full load of a plain Linear) hands autograd its own Parameter,
 which nothing reuses: it runs as before, at no cost.
 
+**Only where it is needed** (`ContractPlan`, decided once per run by `plan_for`): the contract
+guards against reuse, and ComfyUI reuses cast memory only in some set-ups. `reuse_by_design`
+reads them from ComfyUI's state: dynamic VRAM (`memory_management.aimdo_enabled`: streamed
+layers are cast into vbar pages and aimdo cast buffers it refills; a resident layer can be
+evicted at any time, so every casting layer counts), and 0.33's per-stream cast buffers
+(offload streams on and cudaMallocAsync off). Elsewhere (ComfyUI 0.3.75, whose casts are always
+fresh; 0.33 with cudaMallocAsync) `shared_cast_memory` measures what the casts do: up to eight
+casting layers cast one after another, each cast held, and reuse is any two handed the same
+bytes (so a replay of reused memory on the CPU, or a ComfyUI we have not read, turns it on).
+Without reuse, autograd keeps the casts (fresh memory, dropped by block checkpointing), except:
+without block checkpointing ComfyUI's plain cast Linears still take the re-cast (it keeps no
+cast weight for the backward at the cost of a cast), and with `training_fp8_bwd` its quantized
+Linears still take the recompute (their fp8 copy of the input then lives only during the
+layer's backward). `ContractPlan.describe` is the run's log line.
+
 A recompute reads the layer's input as it is at backward time; an in-place change to it in
 between would go unseen by autograd inside a checkpointed block (the block's checkpoint packs
 what the layer saves, and nothing saved that way is version-checked; at the top level
@@ -43,6 +58,8 @@ cannot alter its gradient.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -158,12 +175,12 @@ class RecastInBackward:
     over the class's `forward`, removed by `recast_in_backward`'s returned function. `recasts`
     counts the backward's casts of the first kind."""
 
-    def __init__(self, layer: torch.nn.Module):
+    def __init__(self, layer: torch.nn.Module, by_recast: bool | None = None):
         self.layer = layer
         # the layer's forward as it is now: ComfyUI's, or one a ComfyUI bypass adapter installed
         self.previous = vars(layer).get("forward")
         self.forward = self.previous or type(layer).forward.__get__(layer)
-        self.by_recast = self.previous is None and plain_cast_linear(layer)
+        self.by_recast = can_recast(layer) if by_recast is None else by_recast
         self.recasts = 0
 
     def __call__(self, x, *args, **kwargs):
@@ -205,17 +222,142 @@ class RecomputeLinear(torch.autograd.Function):
         return grad_x, None, None, None
 
 
-def recast_in_backward(diffusion_model: torch.nn.Module):
-    """Give every ComfyUI Linear of `diffusion_model` (`is_linear`, LoRA base layers included) the
-    cast contract (`RecastInBackward`: a re-cast or a recompute in the backward); returns the
-    function that takes it off again (the MODEL is shared: call it when training ends). Layers
-    are found now: attach the LoRA first or after, either way the base layers are the same
-    objects."""
+def can_recast(layer: torch.nn.Module) -> bool:
+    """The layer's backward can be a re-cast: ComfyUI's plain cast Linear with its own forward
+    (no bypass adapter's in its place)."""
+    return "forward" not in vars(layer) and plain_cast_linear(layer)
+
+
+def reuse_by_design() -> tuple[str | None, str]:
+    """(why ComfyUI, as this process runs it, may hand one layer's cast memory to another, or
+    None; why not, where None), read from ComfyUI's state: see the module docstring."""
+    import comfy.model_management as mm
+    from comfy.cli_args import args
+
+    try:
+        import comfy.memory_management as memory  # 0.33 and newer
+    except ImportError:
+        memory = None
+    if getattr(memory, "aimdo_enabled", False):
+        return "ComfyUI's dynamic VRAM casts streamed layers into memory it refills for later layers", ""
+    if not hasattr(mm, "get_cast_buffer"):
+        return None, "this ComfyUI has no cast buffers"
+    if getattr(mm, "NUM_STREAMS", 0) <= 0:
+        return None, "no offload streams, so no stream cast buffers; dynamic VRAM off"
+    if not getattr(args, "cuda_malloc", False):
+        return "ComfyUI's per-stream cast buffers hold offloaded layers' casts (cudaMallocAsync is off)", ""
+    return None, "cudaMallocAsync on, so no stream cast buffers; dynamic VRAM off"
+
+
+def _held_bytes(tensor: torch.Tensor) -> tuple[int, int]:
+    stored = getattr(tensor, "_qdata", tensor)  # a quantized weight's packed values
+    start = stored.data_ptr()
+    return start, start + stored.numel() * stored.element_size()
+
+
+def shared_cast_memory(layers, device, dtype, limit: int = 8) -> tuple[int, int]:
+    """Cast up to `limit` of `layers` that cast per call (`casts_per_call`) one after another
+    with ComfyUI's `cast_bias_weight`, holding every cast until the last; returns (how many were
+    handed bytes an earlier, still held cast occupies; how many were cast). Fresh casts never
+    overlap; memory ComfyUI reuses for the next layer does."""
+    import comfy.ops
+
+    held, ranges, shared = [], [], 0
+    try:
+        with torch.no_grad():
+            for layer in [layer for layer in layers if casts_per_call(layer)][:limit]:
+                weight, bias, stream = comfy.ops.cast_bias_weight(
+                    layer, None, dtype=dtype, device=device, bias_dtype=dtype, offloadable=True
+                )
+                held.append((layer, weight, bias, stream))
+                start, end = _held_bytes(weight)
+                shared += any(start < other_end and other_start < end for other_start, other_end in ranges)
+                ranges.append((start, end))
+    finally:
+        for layer, weight, bias, stream in reversed(held):
+            comfy.ops.uncast_bias_weight(layer, weight, bias, stream)
+    return shared, len(held)
+
+
+@dataclass(frozen=True)
+class ContractPlan:
+    """Which layers keep the cast contract in one run (module docstring, "Only where it is
+    needed"): `reuse` says why ComfyUI may reuse cast memory (None: it does not), `fresh` why
+    not; `checkpointing` is block checkpointing, `fp8_backward` ComfyUI's `training_fp8_bwd`."""
+
+    reuse: str | None
+    fresh: str = ""
+    checkpointing: bool = True
+    fp8_backward: bool = False
+
+    def way(self, layer: torch.nn.Module) -> str | None:
+        """"recast", "recompute" or None (the layer runs as ComfyUI made it)."""
+        recast = can_recast(layer)
+        if self.reuse is not None:
+            return "recast" if recast else "recompute"
+        if recast and not self.checkpointing:
+            return "recast"  # keeps no cast weight for the backward: memory, at the cost of a cast
+        if self.fp8_backward and not isinstance(layer, torch.nn.Linear):
+            return "recompute"  # ComfyUI's quantized Linear: its fp8 input copy freed at once
+        return None
+
+    def describe(self) -> str:
+        """The run's log line: whether the contract is on, where, and why."""
+        if self.reuse is not None:
+            return (
+                f"cast contract on: {self.reuse}; each casting Linear's backward casts its weight "
+                "again (a quantized or fp8 one runs its forward again)"
+            )
+        parts = []
+        if not self.checkpointing:
+            parts.append(
+                "ComfyUI's cast Linears cast their weights again in the backward instead of keeping "
+                "the casts (memory: block checkpointing is off)"
+            )
+        if self.fp8_backward:
+            parts.append(
+                "quantized Linears run their forward again in the backward, so their fp8 copy of the "
+                "input lives only during that backward"
+            )
+        where = f"ComfyUI's casts are fresh memory here ({self.fresh})"
+        if not parts:
+            return f"cast contract off: {where}; autograd keeps the casts, block checkpointing drops them"
+        return f"cast contract in part: {where}; " + "; ".join(parts)
+
+
+ALWAYS = ContractPlan(reuse="the contract asked for on every casting Linear")
+
+
+def plan_for(diffusion_model: torch.nn.Module, device, dtype, checkpointing: bool, fp8_backward: bool):
+    """This run's `ContractPlan` (module docstring): ComfyUI's set-up first, then, where that
+    says no reuse, what the model's casts measure (`shared_cast_memory`)."""
+    reuse, fresh = reuse_by_design()
+    if reuse is None:
+        ops = [m for m in diffusion_model.modules() if is_linear(m) and hasattr(m, "comfy_cast_weights")]
+        shared, cast = shared_cast_memory(ops, device, dtype)
+        if shared:
+            reuse = f"measured: {shared} of {cast} casts held side by side got memory an earlier one held"
+        elif cast:
+            fresh += f"; measured: {cast} casts held side by side, none sharing memory"
+        else:
+            fresh += "; no layer casts"
+    return ContractPlan(reuse, fresh, checkpointing, fp8_backward)
+
+
+def recast_in_backward(diffusion_model: torch.nn.Module, plan: ContractPlan = ALWAYS):
+    """Give the ComfyUI Linears of `diffusion_model` (`is_linear`, LoRA base layers included) that
+    `plan` names the cast contract (`RecastInBackward`: a re-cast or a recompute in the
+    backward); returns the function that takes it off again (the MODEL is shared: call it when
+    training ends). Layers are found now: attach the LoRA first or after, either way the base
+    layers are the same objects."""
     wrapped = []
     for layer in diffusion_model.modules():
         comfy_op = hasattr(layer, "comfy_cast_weights")  # not the LoRA's own torch Linears
-        if is_linear(layer) and comfy_op and not isinstance(vars(layer).get("forward"), RecastInBackward):
-            layer.forward = RecastInBackward(layer)
+        if not (is_linear(layer) and comfy_op) or isinstance(vars(layer).get("forward"), RecastInBackward):
+            continue
+        way = plan.way(layer)
+        if way is not None:
+            layer.forward = RecastInBackward(layer, by_recast=way == "recast")
             wrapped.append(layer.forward)
 
     def remove() -> None:

@@ -56,7 +56,7 @@ from ..trainer_core.lora_metadata import write_lora
 from ..trainer_core.position_ids import TokenGrid
 from ..trainer_core.token_batch import TokenBatch
 from .autograd_safe import is_packed, make_autograd_safe_, put_back_
-from .cast_contract import linear_names, recast_in_backward
+from .cast_contract import ContractPlan, linear_names, plan_for, recast_in_backward
 from .comfy_loading import as_the_executor_loads, held_for_training, is_dynamic
 from .comfy_quantized import check_quantized_model, fp8_backward
 from .families import ModelFamily
@@ -93,6 +93,7 @@ class LoraSession:
     config: TrainConfig
     empty_text: EmptyText | None = None
     swapper: BlockSwapper | None = None
+    contract: ContractPlan | None = None  # where the cast contract applies (its `describe()`: the log line)
 
     @property
     def diffusion_model(self):
@@ -253,10 +254,18 @@ def lora_session(
             linear_types=tuple(packed),  # ComfyUI's quantized Linear (not an nn.Linear)
         )
         undo.callback(lora.detach)
-        # no weight ComfyUI's cast hands a layer outlives that layer's forward (cast_contract)
-        undo.callback(recast_in_backward(diffusion_model))
-        # before any step: the training path computes what ComfyUI's own forward computes
         dtype = _compute_dtype(clone.model)
+        # no weight ComfyUI's cast hands a layer outlives that layer's forward, where ComfyUI
+        # may reuse cast memory (cast_contract: decided once, here, after the load)
+        contract = plan_for(
+            diffusion_model,
+            clone.load_device,
+            dtype,
+            config.gradient_checkpointing,
+            fp8_backward=config.fp8_mode == "fp8_backward",
+        )
+        undo.callback(recast_in_backward(diffusion_model, contract))
+        # before any step: the training path computes what ComfyUI's own forward computes
         remove_hooks = family.install_blocks(clone, config.gradient_checkpointing)
         try:
             check_training_forward(clone, family, sampling_options(clone), dtype, config.layout)
@@ -279,4 +288,4 @@ def lora_session(
         undo.enter_context(comfy_training_mode(True))
         undo.callback(diffusion_model.train, diffusion_model.training)
         diffusion_model.train(config.dropout > 0)
-        yield LoraSession(clone, family, lora, config, empty_text, swapper)
+        yield LoraSession(clone, family, lora, config, empty_text, swapper, contract)

@@ -43,7 +43,7 @@ def step(
             cast_replay.replay_for_patcher(model, memory)
         install = ft.recast_in_backward
         if keep_casts:
-            ft.recast_in_backward = lambda module: lambda: None
+            ft.recast_in_backward = lambda module, plan=None: lambda: None
         try:
             with ft.lora_session(model, config) as session:
                 randomise_lora(session, seed=3)
@@ -113,10 +113,100 @@ def test_stream_buffers_fail_loudly_without_the_contract_and_train_with_it(ft, s
 def test_the_contract_is_taken_off_when_training_ends(ft, samples):
     model = tiny_flux_patcher(seed=6)
     config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention")
-    with torch.inference_mode(False), ft.lora_session(model, config) as session:
-        layer = session.diffusion_model.double_blocks[0].img_mlp[0]
-        assert "forward" in vars(layer)  # the recompute sits on frozen Linears too
+    with torch.inference_mode(False), cast_replay.replay("dynamic") as memory:
+        cast_replay.replay_for_patcher(model, memory)
+        with ft.lora_session(model, config) as session:
+            layer = session.diffusion_model.double_blocks[0].img_mlp[0]
+            assert "forward" in vars(layer)  # the re-cast sits on frozen Linears too
     assert "forward" not in vars(model.model.diffusion_model.double_blocks[0].img_mlp[0])
+
+
+def fp8_weights():
+    return tiny_flux_patcher(seed=6, dtype=torch.float8_e4m3fn, manual_cast_dtype=torch.float32)
+
+
+def contract_of(ft, make_model, checkpointing: bool, replay: str | None = None):
+    """(the session's plan, {layer name: "recast" / "recompute"} of the wrapped Linears)."""
+    model = make_model()
+    config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention", gradient_checkpointing=checkpointing)
+    with torch.inference_mode(False), contextlib_replay(replay) as memory:
+        if memory is not None:
+            cast_replay.replay_for_patcher(model, memory)
+        with ft.lora_session(model, config) as session:
+            wrapped = {
+                name.removesuffix(".base_layer"): "recast" if vars(m)["forward"].by_recast else "recompute"
+                for name, m in session.diffusion_model.named_modules()
+                if type(vars(m).get("forward")).__name__ == "RecastInBackward"
+            }
+            return session.contract, wrapped
+
+
+def casting_linear_names(model) -> set:
+    return {
+        name
+        for name, m in model.model.diffusion_model.named_modules()
+        if getattr(m, "comfy_cast_weights", False) and isinstance(m, torch.nn.Linear)
+    }
+
+
+def test_the_contract_is_decided_once_per_run_from_what_the_casts_do(ft):
+    """Issue 41, item 2. On the CPU ComfyUI runs neither dynamic VRAM nor stream cast buffers,
+    so the plan measures the casts: fp8 weights cast (a dtype change) into fresh memory, and
+    with block checkpointing nothing is wrapped (autograd keeps fresh casts; the checkpoint
+    drops them); without it, every casting Linear takes the re-cast (memory). A model that casts
+    nothing: off. The dynamic VRAM replay hands every cast the same memory: measured, on, and
+    every casting Linear wrapped; the log line says which and why."""
+    plan, wrapped = contract_of(ft, tiny_flux_patcher, checkpointing=True)
+    print(f"\nplain: {plan.describe()}")
+    assert plan.reuse is None and not wrapped and plan.describe().startswith("cast contract off")
+    assert "no layer casts" in plan.describe()
+
+    casting = casting_linear_names(fp8_weights())
+    assert casting  # fp8 weights: every Linear casts to the compute dtype
+    plan, wrapped = contract_of(ft, fp8_weights, checkpointing=True)
+    print(f"fp8 weights, checkpointed: {plan.describe()}")
+    assert plan.reuse is None and not wrapped
+    assert "measured: 8 casts held side by side, none sharing memory" in plan.describe()
+    plan, wrapped = contract_of(ft, fp8_weights, checkpointing=False)
+    print(f"fp8 weights, not checkpointed: {plan.describe()}")
+    assert plan.describe().startswith("cast contract in part")
+    assert "block checkpointing is off" in plan.describe()
+    assert wrapped == dict.fromkeys(casting, "recast")
+
+    plan, wrapped = contract_of(ft, tiny_flux_patcher, checkpointing=True, replay="dynamic")
+    print(f"dynamic VRAM replay: {plan.describe()}")
+    assert plan.describe().startswith("cast contract on: measured: 7 of 8 casts held side by side")
+    replayed = {
+        name
+        for name, m in tiny_flux_patcher(seed=6).model.diffusion_model.named_modules()
+        if isinstance(m, torch.nn.Linear) and m.weight.nbytes > cast_replay.DYNAMIC_MODULE_BYTES
+    }
+    assert replayed and set(wrapped) >= replayed and set(wrapped.values()) == {"recast"}
+
+
+def test_comfyuis_own_state_says_where_casts_are_reused(pack, monkeypatch):
+    """Where ComfyUI reuses cast memory by design (ARCHITECTURE.md, "ComfyUI facts"), read from
+    its own state as a GPU process sets it: dynamic VRAM (`aimdo_enabled`, 0.33); without it,
+    0.33's per-stream cast buffers when offload streams are on and cudaMallocAsync is off;
+    0.3.75 has neither."""
+    import comfy.model_management as mm
+    from comfy.cli_args import args
+
+    cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
+    assert cast_contract.reuse_by_design()[0] is None  # a CPU process
+    if not hasattr(mm, "get_cast_buffer"):
+        assert cast_contract.reuse_by_design() == (None, "this ComfyUI has no cast buffers")
+        return
+    import comfy.memory_management
+
+    monkeypatch.setattr(mm, "NUM_STREAMS", 2)  # ComfyUI's default on NVIDIA
+    monkeypatch.setattr(args, "cuda_malloc", True)
+    assert cast_contract.reuse_by_design()[0] is None
+    monkeypatch.setattr(args, "cuda_malloc", False)
+    assert "per-stream cast buffers" in cast_contract.reuse_by_design()[0]
+    monkeypatch.setattr(args, "cuda_malloc", True)
+    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True)
+    assert "dynamic VRAM" in cast_contract.reuse_by_design()[0]
 
 
 def in_place_block(layer):

@@ -11,9 +11,13 @@ Expected, by hand: a block Linear runs its forward once per step, and once more 
 checkpointing (the block's recompute); the contract's re-cast adds no matmul, so the step's
 FLOPs equal those of the plain model's step (same shapes; it casts nothing, so the contract
 does nothing there).
+The contract applies only where ComfyUI may reuse cast memory (issue 41 item 2: here, under
+the cast replays); elsewhere the layers run as ComfyUI made them (fp8 weights, fp8_scaled, a
+quantized file on the CPU), so the same holds for another reason.
 Where a layer keeps the per-layer recompute (ComfyUI's quantized Linear, whose training
-forward is `QuantLinearFunc`), it runs one forward more, and the FLOPs grow (counted: 1.27 x
-the plain model's with block checkpointing, 1.41 x without). On 419e28e (the per-layer
+forward is `QuantLinearFunc`, under the dynamic VRAM replay), it runs one forward more, and the
+FLOPs grow (counted: 1.27 x the plain model's with block checkpointing, 1.41 x without; before
+item 2 the quantized file paid this without any reuse). On 419e28e (the per-layer
 recompute for every casting Linear) each casting layer whose input needs a gradient ran 3
 forwards with checkpointing and 2 without (18 of the 26 here; 14 under the cast replays, which
 mark only layers over 16 KiB): the step's counted FLOPs 1.27 and 1.41 x the plain model's
@@ -67,9 +71,16 @@ MODES = {
     "fp8_weights": (fp8_weights, None, "as_loaded"),
     "fp8_scaled": (lambda: tiny_flux_patcher(seed=6), None, "fp8_scaled"),
     "quantized_file": (quantized, None, "as_loaded"),
+    "quantized_dynamic_vram_buffers": (quantized, "dynamic", "as_loaded"),
     "dynamic_vram_buffers": (lambda: tiny_flux_patcher(seed=6), "dynamic", "as_loaded"),
     "stream_buffers": (lambda: tiny_flux_patcher(seed=6), "stream", "as_loaded"),
 }
+
+
+# where the plan keeps the per-layer recompute: ComfyUI's quantized Linears with their casts in
+# reused memory (the dynamic VRAM replay; 0.33: 0.3.75 dequantizes each cast into fresh memory).
+# With its fp8 backward they keep it too: test_quantized_training's bytes alive after the forward.
+RECOMPUTED = ("quantized_dynamic_vram_buffers",)
 
 
 def block_linears(cast_contract, diffusion_model) -> dict:
@@ -82,7 +93,7 @@ def block_linears(cast_contract, diffusion_model) -> dict:
 
 def step(ft, cast_contract, samples, mode: str, checkpointing: bool):
     """One step; returns (forward runs per block Linear, its input's rows, its (in, out)
-    features, the step's FLOPs)."""
+    features, the step's FLOPs, the names of ComfyUI's quantized Linears among them)."""
     make, replay, fp8_mode = MODES[mode]
     model = make()
     layers = block_linears(cast_contract, model.model.diffusion_model)
@@ -124,7 +135,8 @@ def step(ft, cast_contract, samples, mode: str, checkpointing: bool):
         for owner, original in owners.items():
             owner.forward = original
     shapes = {name: (layer.in_features, layer.out_features) for name, layer in layers.items()}
-    return counts, rows, shapes, flops.get_total_flops()
+    quantized_layers = {name for name, layer in layers.items() if not isinstance(layer, torch.nn.Linear)}
+    return counts, rows, shapes, flops.get_total_flops(), quantized_layers
 
 
 @pytest.fixture(scope="module")
@@ -139,7 +151,11 @@ def plain_flops(ft, cast_contract, samples):
 def test_block_linear_forwards_and_flops_of_a_step(
     ft, cast_contract, samples, plain_flops, mode, checkpointing
 ):
-    counts, rows, shapes, flops = step(ft, cast_contract, samples, mode, checkpointing)
+    import comfy.model_management
+
+    if mode in RECOMPUTED and not hasattr(comfy.model_management, "training_fp8_bwd"):
+        pytest.skip("ComfyUI 0.3.75 dequantizes every quantized cast into fresh memory")
+    counts, rows, shapes, flops, quantized_layers = step(ft, cast_contract, samples, mode, checkpointing)
     once = 2 if checkpointing else 1
     histogram = dict(sorted(collections.Counter(counts.values()).items()))
     linear_flops = {name: 2 * rows[name] * shapes[name][0] * shapes[name][1] for name in counts}
@@ -152,8 +168,9 @@ def test_block_linear_forwards_and_flops_of_a_step(
     )
     assert set(counts) == set(shapes)  # every block Linear ran
     extra = {name: count - once for name, count in counts.items() if count != once}
-    if mode == "quantized_file":  # the per-layer recompute: one forward more where it ran
+    if mode in RECOMPUTED:  # the per-layer recompute: one forward more where it ran
         assert extra and set(extra.values()) == {1}, counts
+        assert set(extra) <= quantized_layers  # those whose input needs a gradient
         assert flops > plain_flops[checkpointing]  # printed above: 1.27 and 1.41 x
     else:
         assert not extra, counts

@@ -129,6 +129,8 @@ def test_a_weight_made_under_inference_mode_stops_the_run_in_one_line(mods, pack
     cast_contract = importlib.import_module(f"{pack.__name__}.comfy_adapter.cast_contract")
     if path == "recompute":
         monkeypatch.setattr(cast_contract, "plain_cast_linear", lambda layer: False)
+    # dynamic VRAM's casts are reused memory: the contract is on (the casts below are fresh)
+    monkeypatch.setattr(cast_contract, "reuse_by_design", lambda: ("dynamic VRAM (this test)", ""))
 
     cast = comfy.ops.cast_bias_weight
 

@@ -68,6 +68,8 @@ def on_both(servers, graph) -> None:
     ours, losses = trained(replaying, graph)
     assert casts_replayed(replaying) > before  # casts were handed out in reused memory
     assert REPLAY_MARK in replaying.log() and REPLAY_MARK not in plain.log()
+    # the run's log line: the casts measured as reused memory on one server, not on the other
+    assert "cast contract on: measured:" in replaying.log() and "cast contract on" not in plain.log()
     reference, reference_losses = trained(plain, graph)
     assert all(math.isfinite(x) for x in losses)
     assert losses == reference_losses

@@ -205,6 +205,11 @@ def test_the_demo_workflow_trains_on_the_mapped_weights_without_a_copy(servers):
 
 def test_gradient_checkpointing(servers):
     on_both(servers, demo_workflow("kt_dyn_checkpointed", narrow=True, gradient_checkpointing=True))
+    # the run's log line: the contract on for ComfyUI's dynamic VRAM (its own state says so),
+    # off on the plain server (a CPU process, bf16 weights that cast nothing)
+    plain, dynamic = servers
+    assert "cast contract on: ComfyUI's dynamic VRAM casts streamed layers" in dynamic.log()
+    assert "cast contract off: " in plain.log() and "cast contract on" not in plain.log()
 
 
 def test_a_stock_lora_before_train_lora(servers):
