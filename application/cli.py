@@ -1,6 +1,6 @@
 """The command line: the trainer without a browser, on one GPU or data parallel under torchrun.
 
-    python -m trainer_core train --config run.toml [--cpu]
+    python -m trainer_core train --config run.toml [--cpu] [-- COMFYUI FLAGS, e.g. --reserve-vram 2]
     torchrun --nproc_per_node 4 -m trainer_core train --config run.toml
     python -m trainer_core config --from-workflow my_workflow.json -o run.toml
     python -m trainer_core workflow --config run.toml -o run_api.json
@@ -77,6 +77,10 @@ def parser() -> argparse.ArgumentParser:
         description="Ctrl-C stops after the current step and writes a checkpoint to resume from "
         "(a second Ctrl-C quits at once).",
     )
+    train.epilog = (
+        "ComfyUI's own flags (python main.py --help) go after --, e.g. `train --config run.toml -- "
+        "--reserve-vram 2`, or in the run file as [comfyui] flags = [...]; the command line's come last."
+    )
     train.add_argument("--config", required=True, type=Path, help="the run's TOML config")
     train.add_argument("--cpu", action="store_true", help="train on the CPU even if a GPU is there")
     train.add_argument(
@@ -123,7 +127,21 @@ def parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None, load_models=None) -> int:
     """`load_models`: replaces the stock loaders (tests train tiny models that no stock loader
     can detect); everything else runs as in production."""
-    options = parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ours, theirs = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    options = parser().parse_args(ours)
+    if theirs and options.command != "train":
+        parser().error("ComfyUI's flags after -- are for the train command")
+    if options.command == "train":  # ComfyUI's own flags first: cuda_malloc and torch read them
+        flags = _comfyui_flags(options.config)
+        try:
+            source = _flags_source(options.config, flags, theirs)
+            said = comfy_boot.apply_flags(comfyui_root(), flags + theirs, source)
+        except ValueError as error:
+            print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+            return 2
+        options.cpu = options.cpu or said["cpu"]  # ComfyUI's --cpu, as this command's
+        options.disable_dynamic_vram = options.disable_dynamic_vram or said["disable_dynamic_vram"]
     options.use_cuda = options.command == "train" and wants_cuda(options.cpu)
     dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
     config = checked = None
@@ -148,6 +166,26 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
     if options.command == "train":
         return headless.train_command(options, config, checked, load_models)
     return headless.convert_command(options, config)
+
+
+def _comfyui_flags(path: Path) -> list[str]:
+    """`[comfyui] flags` of the run file, read on its own before ComfyUI and torch are imported
+    (`_read_config` checks the whole file after); [] where the file or the key is unreadable,
+    which `_read_config` then reports."""
+    try:
+        import tomllib
+    except ModuleNotFoundError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        flags = tomllib.loads(Path(path).read_text(encoding="utf-8")).get("comfyui", {}).get("flags", [])
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError, AttributeError):
+        return []
+    return flags if isinstance(flags, list) and all(isinstance(f, str) for f in flags) else []
+
+
+def _flags_source(config: Path, flags: list[str], theirs: list[str]) -> str:
+    where = [f"{config} [comfyui] flags"] if flags else []
+    return " and ".join(where + (["the flags after --"] if theirs else []))
 
 
 def _read_config(path: Path):

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..comfy_adapter.comfy_loading import as_after_a_node
 from ..trainer_core import distributed
 from ..trainer_core.atomic import write_atomic
 from ..trainer_core.choices import JobStatus
@@ -304,10 +305,12 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
         prepared = in_section("train", lambda: prepare_run(config, collective))
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
+        as_after_a_node()  # the loaders' nodes end here in a workflow
         say(f"training on {model.load_device}", rank)
         dataset, report = in_section(
             "dataset", lambda: prepare_dataset(vae, clip, config, collective, checked)
         )
+        as_after_a_node()  # and LoadKontextDataset's here
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
         in_section("train", lambda: prepared.check_resume(dataset))
         in_section("model", lambda: prepared.check_model(model, dataset))
@@ -347,6 +350,7 @@ def train_command(options, config: RunConfig, checked, load_models=None) -> int:
     """`config` and `checked`: the config and the dataset's scan, which the command line read and
     checked before the boot (`preflight`)."""
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("kontext_trainer.cast_contract").setLevel(logging.INFO)  # the run's plan
     try:
         return train(
             config,

@@ -59,6 +59,7 @@ from .run_reports import (
 )
 
 LOGGER = logging.getLogger("kontext_trainer")
+CONTRACT_LOGGER = logging.getLogger("kontext_trainer.cast_contract")  # where the contract applies
 FREE_NAME_TRIES = 99  # <name>_2 ... _100: a LoRA saved under the name while the run trained
 
 
@@ -239,7 +240,7 @@ class TrainingRun:
         with lora_session(
             self.model, config, self.initial, self.empty_text, memory_required=working_memory
         ) as session:
-            LOGGER.info("TrainLoRA %s: %s", self.paths.stem, session.contract.describe())
+            CONTRACT_LOGGER.info("TrainLoRA %s: %s", self.paths.stem, session.contract.describe())
             self._join_processes(session)
             try:
                 result = train(

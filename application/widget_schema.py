@@ -273,6 +273,12 @@ COMFYUI: tuple[Widget, ...] = (
         "A ComfyUI base directory (models/, input/, output/, temp/ under it); a relative one is "
         "relative to this file's folder.",
     ),
+    Widget(
+        "flags",
+        "ComfyUI's own command-line flags, as you start ComfyUI with them (python main.py --help "
+        'lists them), e.g. ["--reserve-vram", "2", "--extra-model-paths-config", "/path/paths.yaml"]; '
+        "flags after -- on the command line come after these.",
+    ),
 )
 
 # section of the run file -> its keys' presentation

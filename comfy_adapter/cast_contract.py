@@ -289,6 +289,7 @@ class ContractPlan:
     fresh: str = ""
     checkpointing: bool = True
     fp8_backward: bool = False
+    casting: bool = True  # some Linear casts its weight (measured where `reuse` is None)
 
     def way(self, layer: torch.nn.Module) -> str | None:
         """"recast", "recompute" or None (the layer runs as ComfyUI made it)."""
@@ -320,6 +321,8 @@ class ContractPlan:
                 "input lives only during that backward"
             )
         where = f"ComfyUI's casts are fresh memory here ({self.fresh})"
+        if not self.casting:  # wrapped all the same: a layer that starts casting mid-run
+            return f"cast contract off: no Linear casts its weight ({self.fresh})"
         if not parts:
             return f"cast contract off: {where}; autograd keeps the casts, block checkpointing drops them"
         return f"cast contract in part: {where}; " + "; ".join(parts)
@@ -341,6 +344,7 @@ def plan_for(diffusion_model: torch.nn.Module, device, dtype, checkpointing: boo
             fresh += f"; measured: {cast} casts held side by side, none sharing memory"
         else:
             fresh += "; no layer casts"
+        return ContractPlan(reuse, fresh, checkpointing, fp8_backward, casting=cast > 0)
     return ContractPlan(reuse, fresh, checkpointing, fp8_backward)
 
 

@@ -5,12 +5,109 @@ imports ComfyUI at module level."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
+import io
+import itertools
+import logging
 import os
 import sys
 from pathlib import Path
 from types import ModuleType
+
+FLAGS_SET_HERE = {  # ComfyUI flags the command sets from elsewhere: flag -> where instead
+    "base_directory": "[comfyui] base_directory in the run file",
+}
+APPLIED: list[str] = []  # the ComfyUI flags this process was started with (`apply_flags`)
+_PATHS_APPLIED = False  # `apply_custom_paths` ran
+
+
+def apply_flags(root: Path, flags: list[str], source: str) -> dict:
+    """ComfyUI's own command-line flags (`flags`, from `source`: the words a refusal names), read
+    by ComfyUI's parser as `main.py` has it read its command line: `comfy.options`' argument
+    parsing on and `sys.argv` set to main.py's with the flags while `comfy.cli_args` is first
+    imported, so ComfyUI's checks and its derived options (`--fast`, `--force-fp16`, ...) are
+    its own. Then what `main.py` does with them before torch (`--cuda-device`,
+    `--deterministic`). Must run before anything imports `comfy.cli_args`: ComfyUI's
+    `cuda_malloc` and torch read these options. A flag ComfyUI refuses, or one the command
+    sets from the run file, is a ValueError in one line. Returns what the command itself
+    acts on: {"cpu": --cpu given, "disable_dynamic_vram": --disable-dynamic-vram given}."""
+    if not flags:
+        return {"cpu": False, "disable_dynamic_vram": False}
+    if "comfy.cli_args" in sys.modules:
+        raise RuntimeError("ComfyUI read its options already: its flags must come first")
+    if str(root) not in sys.path:
+        sys.path.insert(0, str(root))
+    import comfy.options
+
+    argv, said = sys.argv, io.StringIO()
+    sys.argv = [str(root / "main.py"), *flags]
+    comfy.options.enable_args_parsing()
+    try:
+        with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
+            importlib.import_module("comfy.cli_args")  # parses sys.argv, as under main.py
+    except SystemExit:  # argparse's error (or --help): the module is not left half-imported
+        words = [line for line in said.getvalue().splitlines() if "error:" in line]
+        why = words[-1].split("error:", 1)[1].strip() if words else "ComfyUI's parser stopped"
+        raise ValueError(f"{source}: ComfyUI does not take the flags {' '.join(flags)} ({why})") from None
+    finally:
+        sys.argv = argv
+        comfy.options.enable_args_parsing(False)
+    from comfy.cli_args import args, parser
+
+    given = vars(parser.parse_args(flags))
+    for dest, instead in FLAGS_SET_HERE.items():
+        if given.get(dest) != parser.get_default(dest):
+            raise ValueError(f"{source}: --{dest.replace('_', '-')} is set by {instead}, not as a flag")
+    # main.py's environment from its flags, before torch is imported
+    if args.cuda_device not in (None, "all"):
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(args.cuda_device)
+    if args.deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    APPLIED[:] = flags
+    return {"cpu": bool(args.cpu), "disable_dynamic_vram": bool(getattr(args, "disable_dynamic_vram", False))}
+
+
+def flags_applied() -> str:
+    """The options ComfyUI took from `apply_flags`' flags, as its `args` holds them now
+    (`name=value`), for the command's log; empty without flags."""
+    if not APPLIED:
+        return ""
+    from comfy.cli_args import args, parser
+
+    given, default = vars(parser.parse_args(APPLIED)), vars(parser.parse_args([]))
+    return ", ".join(f"{dest}={getattr(args, dest)!r}" for dest in given if given[dest] != default[dest])
+
+
+def apply_custom_paths(root: Path) -> None:
+    """`main.py`'s `apply_custom_paths` (which only `main.py` itself can run): the model folders of
+    ComfyUI's `extra_model_paths.yaml` beside `main.py` and of each `--extra-model-paths-config`,
+    through ComfyUI's `utils.extra_config`; `--output-directory`, `--input-directory` and
+    `--user-directory`; and the output folder's model subfolders ComfyUI lists as model
+    folders. Imports no torch."""
+    import folder_paths
+    import utils.extra_config
+    from comfy.cli_args import args
+
+    yaml_beside = root / "extra_model_paths.yaml"
+    if yaml_beside.is_file():
+        utils.extra_config.load_extra_path_config(str(yaml_beside))
+    for config_path in itertools.chain(*(args.extra_model_paths_config or [])):
+        if not Path(config_path).is_file():
+            raise ValueError(
+                f"--extra-model-paths-config: {config_path} does not exist; give the path of the file"
+            )
+        utils.extra_config.load_extra_path_config(config_path)
+    for name, setter in (("output", "set_output_directory"), ("input", "set_input_directory"),
+                         ("user", "set_user_directory")):
+        folder = getattr(args, f"{name}_directory", None)
+        if folder and hasattr(folder_paths, setter):
+            getattr(folder_paths, setter)(os.path.abspath(folder))
+    output = folder_paths.get_output_directory()
+    for kind in ("checkpoints", "clip", "vae", "diffusion_models", "loras"):
+        folder_paths.add_model_folder_path(kind, os.path.join(output, kind))
+    logging.getLogger(__name__).debug("model folders: %s", folder_paths.folder_names_and_paths)
 
 
 def boot_folders(root: Path, base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True) -> None:
@@ -33,6 +130,10 @@ def boot_folders(root: Path, base_directory: Path | None, use_cuda: bool, dynami
 
     if base_directory is not None and Path(folder_paths.base_path).resolve() != base_directory.resolve():
         raise RuntimeError(f"ComfyUI's folders were set before boot: {folder_paths.base_path}")
+    global _PATHS_APPLIED
+    if not _PATHS_APPLIED:  # once per process, as main.py
+        apply_custom_paths(root)
+        _PATHS_APPLIED = True
 
 
 def boot(
@@ -70,6 +171,8 @@ def boot(
         importlib.import_module(module)
     on = aimdo is not None and _enable_dynamic_vram(aimdo)
     print(f"[kontext-trainer] {loading_mode(use_cuda, has_dynamic_vram, dynamic_vram, on)}", flush=True)
+    if APPLIED:
+        print(f"[kontext-trainer] ComfyUI's options from its flags: {flags_applied()}", flush=True)
     start_pack(pack)
     return pack
 

@@ -23,6 +23,33 @@ def as_the_executor_loads():
     return torch.inference_mode()
 
 
+def as_after_a_node() -> bool:
+    """What ComfyUI's executor does after every node under dynamic VRAM (0.33 `execution.py`):
+    its cast buffers reset (`reset_cast_buffers`), the prefetch queues cleaned and the vbar
+    watermarks reset. The command line calls it between its phases (loading, encoding,
+    training), each a node in a workflow. True when it ran (dynamic VRAM on)."""
+    import importlib
+
+    try:
+        import comfy.memory_management as memory
+    except ImportError:  # ComfyUI 0.3.75: nothing to reset
+        return False
+    if not getattr(memory, "aimdo_enabled", False):
+        return False
+    import comfy.model_management
+
+    comfy.model_management.reset_cast_buffers()
+    for module, function in (
+        ("comfy.model_prefetch", "cleanup_prefetch_queues"),
+        ("comfy_aimdo.model_vbar", "vbars_reset_watermark_limits"),
+    ):
+        try:
+            getattr(importlib.import_module(module), function)()
+        except (ImportError, AttributeError):  # a ComfyUI or comfy-aimdo without it
+            continue
+    return True
+
+
 def is_dynamic(patcher) -> bool:
     """True for ComfyUI 0.33's dynamic-VRAM patcher (`ModelPatcherDynamic`, the stock loaders'
     default on NVIDIA): weights stay where the loader put them (a read-only memory map of the

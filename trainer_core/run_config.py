@@ -1,6 +1,7 @@
 """The run config file: one TOML file holding what a training workflow holds, for headless runs.
 
-    [comfyui]  base_directory: a ComfyUI base directory (models/, input/, output/, temp/ under it)
+    [comfyui]  base_directory: a ComfyUI base directory (models/, input/, output/, temp/ under it);
+               flags: ComfyUI's own command-line flags (e.g. ["--reserve-vram", "2"])
     [model]    the files the stock loaders load (`ModelFiles`)
     [dataset]  LoadKontextDataset's widgets (`DatasetOptions`)
     [train]    TrainLoRA's widgets: `TrainerOptions`, then `TrainConfig`
@@ -96,11 +97,15 @@ class TrainerOptions:
 @dataclass
 class ComfyUISection:
     base_directory: str = knob(".")
+    # ComfyUI's own command-line flags, as main.py takes them (the command line reads them before
+    # ComfyUI boots: application/cli.py); `-- FLAGS` after the command adds more
+    flags: list[str] = field(default_factory=list)
 
 
 @dataclass(kw_only=True)
 class RunConfig:
     base_directory: Path = Path(".")  # absolute once read from a file
+    comfyui_flags: list[str] = field(default_factory=list)  # [comfyui] flags
     model: ModelFiles
     dataset: DatasetOptions = field(default_factory=DatasetOptions)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -177,6 +182,7 @@ def parse_run_config(data: dict, source: str, folder: Path) -> RunConfig:
     base = Path(built[ComfyUISection].base_directory).expanduser()
     return RunConfig(
         base_directory=Path(os.path.normpath(base if base.is_absolute() else folder / base)),
+        comfyui_flags=built[ComfyUISection].flags,
         model=built[ModelFiles],
         dataset=built[DatasetOptions],
         train=built[TrainConfig],
@@ -307,7 +313,7 @@ def dump_run_config(config: RunConfig, describe: Mapping[str, Mapping[str, objec
     limits as a comment above it, after its description in `describe` (section -> key -> an
     object with `tooltip`, `advanced` and `note`: the application's widget schema), if given."""
     objects = {
-        "comfyui": (ComfyUISection(str(config.base_directory)),),
+        "comfyui": (ComfyUISection(str(config.base_directory), list(config.comfyui_flags)),),
         "model": (config.model,),
         "dataset": (config.dataset,),
         "train": (config.trainer, config.train),

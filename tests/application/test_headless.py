@@ -11,6 +11,7 @@ config names the key and the fix."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 import signal
 import subprocess
@@ -422,6 +423,95 @@ def test_comfyuis_allocator_choice_comes_before_torch(tmp_path):
     assert result.returncode != 0 and str(missing) in result.stderr, result.stderr[-2000:]
     order = result.stderr.rsplit("ORDER", 1)[-1].split()
     assert order[:2] == ["cuda_malloc", "torch"], f"first imports, in order: {order}"
+
+
+def test_comfyuis_own_flags_reach_it_from_the_run_file_and_after_the_double_dash(files, comfy_runtime):
+    """Issue 41 item 5: ComfyUI's own flags, as `python main.py` takes them, from the run file's
+    `[comfyui] flags` and after `--` (those come last, so they win), read by ComfyUI's own
+    parser before torch is imported, its derived options included (a bare `--fast` turns on
+    every performance feature: the set is ComfyUI's enum, read here). The command prints the
+    options ComfyUI holds from them once it has booted, and trains."""
+    from comfy.cli_args import PerformanceFeature
+
+    config = write_config(
+        files.root / "flags.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "flags", "steps": 1},
+        comfyui={"flags": ["--reserve-vram", "1.5", "--disable-pinned-memory"]},
+    )
+    result = run(command(config, "--", "--reserve-vram", "2.5", "--fast"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = [line for line in result.stdout.splitlines() if "ComfyUI's options from its flags:" in line]
+    assert "reserve_vram=2.5" in line and "disable_pinned_memory=True" in line, line
+    assert all(repr(feature) in line for feature in PerformanceFeature), line
+    assert "] 1/1  loss" in result.stdout
+
+
+def test_a_flag_comfyui_refuses_is_named_in_one_line_before_the_boot(files):
+    """A flag ComfyUI's parser refuses (a bad value in the run file, an unknown flag after `--`)
+    or one the run file sets instead (`--base-directory`): one line naming where it came from
+    and ComfyUI's own words, before ComfyUI's runtime boots."""
+    bad_value = write_config(
+        files.root / "bad_flag.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "bad_flag"},
+        comfyui={"flags": ["--reserve-vram", "lots"]},
+    )
+    plain = write_config(
+        files.root / "no_flags.toml", files.base, files.dataset, files.cache, {"lora_name": "x"}
+    )
+    cases = {
+        bad_value: (
+            (),
+            f"{bad_value} [comfyui] flags: ComfyUI does not take the flags --reserve-vram lots (argument "
+            "--reserve-vram: invalid float value: 'lots')",
+        ),
+        plain: (
+            ("--", "--no-such-flag"),
+            "the flags after --: ComfyUI does not take the flags --no-such-flag (unrecognized arguments: "
+            "--no-such-flag)",
+        ),
+    }
+    cases[files.root / "base_flag"] = (
+        ("--", "--base-directory", str(files.root)),
+        "the flags after --: --base-directory is set by [comfyui] base_directory in the run file",
+    )
+    for config, (extra, words) in cases.items():
+        result = run(command(plain if config.name == "base_flag" else config, *extra))
+        assert result.returncode == 2, result.stdout + result.stderr
+        assert words in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr
+        assert refused_before_the_boot(result), result.stdout
+
+
+def test_under_dynamic_vram_the_command_resets_comfyuis_cast_buffers_between_its_phases(files):
+    """As ComfyUI's executor does after every node under dynamic VRAM: after the loaders and
+    after the dataset's encoding (the workflow's two nodes before TrainLoRA), counted through
+    ComfyUI's `reset_cast_buffers` in the command's process (`headless_tiny`, under the dynamic
+    VRAM emulation); the run logs the cast contract on, for ComfyUI's dynamic VRAM."""
+    from kt_testing.dynamic_vram import comfyui_has_dynamic_vram, server_env
+    from kt_testing.headless_tiny import RESETS_MARK
+
+    if not comfyui_has_dynamic_vram():
+        pytest.skip("ComfyUI 0.3.75 has no dynamic VRAM")
+    config = write_config(
+        files.root / "dynamic.toml",
+        files.base,
+        files.dataset,
+        files.cache,
+        {"lora_name": "dynamic", "steps": 1},
+    )
+    env = environment() | server_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [env["PYTHONPATH"], os.environ.get("PYTHONPATH")]))
+    result = subprocess.run(
+        command(config), cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"{RESETS_MARK}: 2" in result.stdout, result.stdout
+    assert "cast contract on: ComfyUI's dynamic VRAM" in result.stderr, result.stderr
 
 
 @pytest.mark.version_independent

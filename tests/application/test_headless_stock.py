@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import shutil
 import subprocess
 import sys
 
@@ -80,11 +81,24 @@ def test_example_workflow_to_config_to_workflow(base, tmp_path):
 
 @pytest.mark.slow
 def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
-    config = tmp_path / "run.toml"
+    """The models stay where they are, outside the run's base directory, found through an
+    `extra_model_paths.yaml` given as ComfyUI's own flag in the run file (issue 41 item 5:
+    ComfyUI's `utils.extra_config` reads it, as `main.py` has it do)."""
+    config, user_base = tmp_path / "run.toml", tmp_path / "user-base"
+    shutil.copytree(base / "input" / "kontext_demo", user_base / "input" / "kontext_demo")
+    paths = tmp_path / "shared_models.yaml"
+    folders = ("diffusion_models", "vae", "text_encoders")
+    paths.write_text(
+        "shared:\n" + f"    base_path: {base / 'models'}\n" + "".join(f"    {f}: {f}\n" for f in folders)
+    )
     result = trainer_core(
-        "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(base), "-o", str(config)
+        "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(user_base), "-o", str(config)
     )
     assert result.returncode == 0, result.stderr
+    text = config.read_text()
+    assert "\nflags = []\n" in text
+    flags = f'\nflags = ["--extra-model-paths-config", "{paths}"]\n'
+    config.write_text(text.replace("\nflags = []\n", flags))
     # a short run of the example (the edits a user would make to try it), nothing held out: the
     # held-out loss after the last step is 5 forwards of the Flux, more than the 2 steps cost;
     # the references at 64 px (a quarter of the example's tokens for them)
@@ -97,7 +111,11 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
     config.write_text(text)
     result = trainer_core("train", "--config", str(config), "--cpu")
     assert result.returncode == 0, result.stdout + result.stderr
-    lora = base / "models" / "loras" / "kontext_demo_lora.safetensors"
+    assert "extra_model_paths_config=" in result.stdout
+    assert not (user_base / "models" / "diffusion_models").exists() or not any(
+        (user_base / "models" / "diffusion_models").iterdir()
+    )
+    lora = user_base / "models" / "loras" / "kontext_demo_lora.safetensors"
     assert f"LoRA saved: {lora}" in result.stdout
     assert "loading the model files with ComfyUI's loaders" in result.stdout
     assert "] 2/2  loss" in result.stdout
@@ -117,7 +135,7 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
     assert json.loads(metadata["ss_dataset_dirs"]) == {"kontext_demo": {"n_repeats": 1, "img_count": images}}
     buckets = json.loads(metadata["ss_bucket_info"])["buckets"]
     assert sum(bucket["count"] for bucket in buckets.values()) == images
-    captions = [p.read_text(encoding="utf-8") for p in (base / "input" / "kontext_demo").glob("*.txt")]
+    captions = [p.read_text(encoding="utf-8") for p in (user_base / "input" / "kontext_demo").glob("*.txt")]
     tags = json.loads(metadata["ss_tag_frequency"])["kontext_demo"]
     first = captions[0].split(",")[0].strip().lower()
     having = sum(first in [t.strip().lower() for t in c.split(",")] for c in captions)

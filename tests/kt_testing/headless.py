@@ -38,14 +38,22 @@ def toml_value(value) -> str:
 
 
 def write_config(
-    path: Path, base: Path, dataset: Path, cache: Path, train: dict, create_base=True, **dataset_changes
+    path: Path,
+    base: Path,
+    dataset: Path,
+    cache: Path,
+    train: dict,
+    create_base=True,
+    comfyui: dict | None = None,
+    **dataset_changes,
 ) -> Path:
     """A run config written by hand (not by the code under test), for the ComfyUI base directory
-    `base` (made here, as a user's exists, unless `create_base` is off)."""
+    `base` (made here, as a user's exists, unless `create_base` is off); `comfyui`: more keys
+    of its [comfyui] section."""
     if create_base:
         Path(base).mkdir(parents=True, exist_ok=True)
     sections = {
-        "comfyui": {"base_directory": str(base)},
+        "comfyui": {"base_directory": str(base), **(comfyui or {})},
         "model": {
             "diffusion_model": "tiny.safetensors",
             "vae": "tiny.safetensors",

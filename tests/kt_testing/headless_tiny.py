@@ -20,12 +20,34 @@ for folder in (ROOT, ROOT / "tests", ROOT / "scripts"):
 
 from trainer_core.__main__ import pack_cli  # noqa: E402
 
+RESETS_MARK = "kt test: ComfyUI's cast buffers reset"  # printed at exit with the count
+
 
 def load_tiny_models(files):
-    """(MODEL, VAE, CLIP) as the test nodes make them; `files` (the config's [model]) unused."""
+    """(MODEL, VAE, CLIP) as the test nodes make them; `files` (the config's [model]) unused.
+    With `KT_TEST_DYNAMIC_VRAM=1` (and `dynamic_vram.server_env()`'s PYTHONPATH), ComfyUI's
+    dynamic VRAM is emulated once they are built (`dynamic_vram.emulate`: they stay plain
+    patchers), and the command's calls of ComfyUI's `reset_cast_buffers` are counted and
+    printed at exit (`RESETS_MARK`)."""
+    from kt_testing.dynamic_vram import DYNAMIC_VRAM_ENV, emulate
     from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
-    return tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
+    models = tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
+    if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # after the builds: each stays a plain patcher
+        import atexit
+
+        import comfy.model_management
+
+        emulate()
+        reset, calls = comfy.model_management.reset_cast_buffers, []
+
+        def counted():
+            calls.append(1)
+            return reset()
+
+        comfy.model_management.reset_cast_buffers = counted
+        atexit.register(lambda: print(f"{RESETS_MARK}: {len(calls)}", flush=True))
+    return models
 
 
 def load_tiny_models_breaking_a_folder(files):

@@ -66,7 +66,7 @@ def test_sections_hold_exactly_the_nodes_fields_in_widget_order(tmp_path):
     text = dump_run_config(parse({}, tmp_path))
     data = tomllib.loads(text)  # an independent TOML reader
     assert list(data) == ["comfyui", "model", "dataset", "train"]
-    assert list(data["comfyui"]) == ["base_directory"]
+    assert list(data["comfyui"]) == ["base_directory", "flags"]
     assert list(data["model"]) == names(ModelFiles)
     assert list(data["dataset"]) == names(DatasetOptions)
     # a knob added to TrainConfig is a [train] key with nothing else to change
