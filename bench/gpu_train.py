@@ -6,7 +6,10 @@ Configurations, each at every `--sizes` (target and one reference of that size):
   bf16        UNETLoader weight_dtype default (bf16 on a bf16 GPU)
   fp8         UNETLoader weight_dtype fp8_e4m3fn (e4m3 in memory, computed in bf16)
   fp8_scaled  the default-loaded model with fp8_mode=fp8_scaled
-each with blocks_to_swap 0 .. all (2 on the demo Flux). All with gradient checkpointing, rank
+each with blocks_to_swap 0 .. all (2 on the demo Flux), and with the cast contract as the run
+plans it (`planned`: only where ComfyUI may reuse cast memory) and, with `--contract planned
+forced`, forced on every casting Linear (`forced`: its cost where reuse is possible, e.g.
+under dynamic VRAM: one more cast of each weight per step). All with gradient checkpointing, rank
 16 on every block linear (`all_linear`, what the estimate assumes), AdamW, batch 1.
 
 Per configuration every model is unloaded and the allocator emptied, the peak counter reset,
@@ -16,6 +19,7 @@ peak is `torch.cuda.max_memory_allocated()` over the whole session (weights incl
 CUDA context and the allocator's cache are not counted, the estimate's overhead is).
 
     .venv/bin/python bench/gpu_train.py [--sizes 512 1024] [--steps 5] [--warmup 2] [--rank 16]
+        [--contract planned forced]
 
 Without CUDA it prints "needs CUDA: ..." and exits with 0, measuring nothing; `--allow-cpu`
 runs the same code on the CPU (fp32, no memory figures) to check the script itself.
@@ -24,6 +28,7 @@ runs the same code on the CPU (fp32, no memory figures) to check the script itse
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import importlib
 import itertools
@@ -102,22 +107,36 @@ def estimate(mods, model, config, size: int):
 
 def table(rows: list[dict], cuda: bool) -> str:
     lines = [
-        "| size | weights | stored as | blocks_to_swap | s/step | peak allocated GiB | estimate GiB | "
-        "estimate: weights / LoRA+opt / activations / overhead |",
-        "|---:|---|---|---:|---:|---:|---:|---|",
+        "| size | weights | stored as | blocks_to_swap | contract | s/step | peak allocated GiB | "
+        "estimate GiB | estimate: weights / LoRA+opt / activations / overhead |",
+        "|---:|---|---|---:|---|---:|---:|---:|---|",
     ]
     for row in rows:
         e = row["estimate"]
         peak = f"{row['peak'] / GIB:.2f}" if cuda else "n/a"
         parts = f"{e.weights:.2f} / {e.lora:.2f} / {e.activations:.2f} / {e.overhead:.1f}"
         lines.append(
-            f"| {row['size']} | {row['weights']} | {row['stored']} | {row['swap']} | "
+            f"| {row['size']} | {row['weights']} | {row['stored']} | {row['swap']} | {row['contract']} | "
             f"{row['seconds']:.3f} | {peak} | {e.total:.2f} | {parts} |"
         )
     return "\n".join(lines)
 
 
-def run_config(mods, model, sample, weights: str, size: int, swap: int, args, cuda: bool) -> dict:
+@contextlib.contextmanager
+def contract(mods, mode: str):
+    """The session's cast contract as planned, or forced on every casting Linear (`ALWAYS`)."""
+    install = mods.ft.recast_in_backward
+    if mode == "forced":
+        mods.ft.recast_in_backward = lambda module, plan: install(module, mods.cast_contract.ALWAYS)
+    try:
+        yield
+    finally:
+        mods.ft.recast_in_backward = install
+
+
+def run_config(
+    mods, model, sample, weights: str, size: int, swap: int, args, cuda: bool, mode: str = "planned"
+) -> dict:
     config = mods.ft.TrainConfig(
         steps=args.warmup + args.steps,
         rank=args.rank,
@@ -133,7 +152,9 @@ def run_config(mods, model, sample, weights: str, size: int, swap: int, args, cu
     working = int((expected.activations + expected.lora + expected.overhead) * GIB)
     stored = model.model.diffusion_model.double_blocks[0].img_attn.qkv.weight.dtype
     row = {"size": size, "weights": weights, "stored": str(stored).removeprefix("torch."), "swap": swap}
-    row.update(estimate=expected, **measure(mods, model, sample, config, args.warmup, cuda, working))
+    with contract(mods, mode):
+        row.update(estimate=expected, **measure(mods, model, sample, config, args.warmup, cuda, working))
+    row["contract"] = mode
     return row
 
 
@@ -141,7 +162,8 @@ def describe(row: dict, cuda: bool) -> str:
     peak = f"{row['peak'] / GIB:.2f} GiB (before: {row['baseline'] / GIB:.2f})" if cuda else "n/a"
     losses = [round(x, 4) for x in row["losses"]]
     return (
-        f"  {row['size']}px {row['weights']:10s} swap {row['swap']}: {row['seconds']:.3f} s/step, "
+        f"  {row['size']}px {row['weights']:10s} swap {row['swap']} contract {row['contract']}: "
+        f"{row['seconds']:.3f} s/step, "
         f"peak {peak}, estimate {row['estimate'].total:.2f} GiB, losses {losses}"
     )
 
@@ -156,6 +178,10 @@ def main() -> int:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--weights", nargs="+", choices=WEIGHTS, default=list(WEIGHTS))
     parser.add_argument("--allow-cpu", action="store_true", help="run on the CPU to check the script")
+    parser.add_argument(
+        "--contract", nargs="+", choices=("planned", "forced"), default=["planned"],
+        help="the cast contract as the run plans it, and/or forced on every casting Linear",
+    )
     args = parser.parse_args()
 
     import torch
@@ -181,6 +207,7 @@ def main() -> int:
             "run": "comfy_adapter.model_family",
             "loop": "trainer_core.loop",
             "flow_step": "trainer_core.flow_step",
+            "cast_contract": "comfy_adapter.cast_contract",
         }
         mods = SimpleNamespace(**{k: importlib.import_module(f"{pack}.{v}") for k, v in names.items()})
         paths = demo_assets.ensure_assets(asset_cache_dir())
@@ -198,8 +225,9 @@ def main() -> int:
         for size in args.sizes:
             sample = inputs(mods.flow_step, size)
             for weights in args.weights:
-                for swap in range(all_blocks + 1):
-                    rows.append(run_config(mods, models[weights], sample, weights, size, swap, args, cuda))
+                for swap, mode in itertools.product(range(all_blocks + 1), args.contract):
+                    model = models[weights]
+                    rows.append(run_config(mods, model, sample, weights, size, swap, args, cuda, mode))
                     print(describe(rows[-1], cuda), flush=True)
         print()
         print(table(rows, cuda))

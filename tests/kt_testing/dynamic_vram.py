@@ -162,12 +162,18 @@ class AnonymousPeak:
 
     def reset(self) -> dict:
         """The base and peak since the last reset (KiB) and where the peak was seen, then start
-        again from now."""
+        again from now. Also the bytes ComfyUI holds in pinned host buffers now
+        (`model_management.TOTAL_PINNED_MEMORY`, 0.33: weights it stages for transfers on a
+        GPU; none on a CPU), part of the anonymous memory that is ComfyUI's, not ours."""
+        import sys
+
+        management = sys.modules.get("comfy.model_management")
         with self.lock:
             now = anonymous_kib()
             if now > self.peak:
                 self.peak, self.where = now, "at the reading"
             seen = {"base_kib": self.base, "peak_kib": self.peak, "peak_where": self.where}
+            seen["pinned_bytes"] = int(getattr(management, "TOTAL_PINNED_MEMORY", 0))
             self.base = self.peak = anonymous_kib()
             self.where = ""
         return seen
