@@ -54,6 +54,7 @@ def apply_flags(root: Path, flags: list[str], source: str) -> dict:
     finally:
         sys.argv = argv
         comfy.options.enable_args_parsing(False)
+    sys.stderr.write(said.getvalue())  # anything ComfyUI said while it parsed, as it said it
     from comfy.cli_args import args, parser
 
     given = vars(parser.parse_args(flags))
