@@ -312,6 +312,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
         )
         as_after_a_node()  # and LoadKontextDataset's here
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
+        in_section("model", lambda: prepared.resolve_layout(model))  # `auto`: the model's own
         in_section("train", lambda: prepared.check_resume(dataset))
         in_section("model", lambda: prepared.check_model(model, dataset))
         if prepared.run.resume is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..comfy_adapter.comfy_quantized import check_quantized_model
-from ..comfy_adapter.model_family import check_model_fits
+from ..comfy_adapter.model_family import check_model_fits, family_of
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.checkpoint import read_state
 from ..trainer_core.config import TrainConfig
@@ -68,9 +68,19 @@ class PreparedRun:
         return self.run.paths
 
     def check_fit(self, model, dataset) -> None:
-        """Both checks below (the node makes them together)."""
+        """The layout resolved, then both checks below (the node makes them together)."""
+        self.resolve_layout(model)
         self.check_resume(dataset)
         self.check_model(model, dataset)
+
+    def resolve_layout(self, model) -> None:
+        """Layout `auto` becomes the model's own (its family's: FLUX.1 `offset`, FLUX.2 `index`)
+        before anything reads it: the resume check, the run, the LoRA's metadata."""
+        if self.config.layout == "auto":
+            layout = family_of(model).resolve_layout("auto", model.model.diffusion_model)
+            self.request = dataclasses.replace(
+                self.request, config=dataclasses.replace(self.config, layout=layout)
+            )
 
     def check_resume(self, dataset) -> None:
         """A resume continues this run exactly: same settings, dataset and processes (the

@@ -83,7 +83,8 @@ TRAIN_LORA: tuple[Widget, ...] = (
     ),
     Widget(
         "layout",
-        "Reference position-id layout; sample with the same one (MultiImageConditioning's "
+        "Reference position-id layout; auto is the model's own (the LoRA records the one it "
+        "resolved to); sample with the same one (MultiImageConditioning's "
         f"tooltip says what each one is). {layouts_by_family()} index_timestep_zero needs ComfyUI "
         "0.33+ (references modulated at timestep 0).",
     ),

@@ -37,6 +37,7 @@ to the load device and the loss is computed where the model computed (`flow_step
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import time
 import uuid
@@ -222,6 +223,9 @@ def lora_session(
     ):
         torch.manual_seed(config.seed)
         family = check_layout_fits(model, config.layout)  # also here: the headless path, tests
+        # `auto`: the model's own layout, from here on (ids, the guard, the session's config)
+        own = family.resolve_layout(config.layout, model.model.diffusion_model)
+        config = dataclasses.replace(config, layout=own)
         check_quantized_model(model, config.fp8_mode)
         clone = family.with_reference_ids(model)
         if config.fp8_mode == "fp8_scaled":  # before loading: the GPU only ever holds the fp8 copies

@@ -22,7 +22,8 @@ from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_
 MAX_REFERENCES = 4
 
 LAYOUT_TOOLTIP = (
-    "Where the reference tokens sit in the model's position grid. offset: ComfyUI's Kontext "
+    "Where the reference tokens sit in the model's position grid. auto: the model's own "
+    "(FLUX.1: offset, FLUX.2: index). offset: ComfyUI's Kontext "
     "default (all references index 1, packed side by side). index: reference i gets index i+1 "
     "(in the model's index steps). uxo: UXO/USO style, diagonal after the target. dreamomni2: "
     "index i+1 and columns shifted by the widths of the earlier references (DreamOmni2). "
@@ -92,7 +93,9 @@ class MultiImageConditioning(io.ComfyNode):
                     "conditioning", tooltip="The prompt conditioning (e.g. from CLIPTextEncode)."
                 ),
                 io.Vae.Input("vae", tooltip="The MODEL's VAE, which encodes the references."),
-                io.Combo.Input("layout", options=list(LAYOUTS), default="offset", tooltip=LAYOUT_TOOLTIP),
+                io.Combo.Input(
+                    "layout", options=["auto", *LAYOUTS], default="auto", tooltip=LAYOUT_TOOLTIP
+                ),
                 io.Int.Input(
                     "reference_resolution",
                     default=1024,
@@ -129,8 +132,11 @@ class MultiImageConditioning(io.ComfyNode):
         image_3=None,
         image_4=None,
     ) -> io.NodeOutput:
-        check_layout(layout)
+        if layout != "auto":
+            check_layout(layout)  # a name no layout has, before whether it fits the model
         family = check_layout_fits(model, layout, "MultiImageConditioning's model")
+        # auto: the model's own (ComfyUI's default for it), set on the conditioning by name
+        layout = str(check_layout(family.resolve_layout(layout, model.model.diffusion_model)))
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")

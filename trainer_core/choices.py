@@ -61,8 +61,10 @@ class TargetPreset(Choice):
 
 
 class Layout(Choice):
-    """Reference position-id layouts (`position_ids`)."""
+    """Reference position-id layouts (`position_ids`); `auto` is the model's own (its family's
+    first layout: FLUX.1 `offset`, FLUX.2 `index`), resolved where the model is known."""
 
+    AUTO = "auto"
     OFFSET = "offset"
     INDEX = "index"
     UXO = "uxo"

@@ -70,7 +70,7 @@ class TrainConfig:
     alpha: float = knob(16.0, min=0.01, max=1024.0, step=0.5, must_match=True)
     dropout: float = knob(0.0, min=0.0, max=0.9, step=0.01, must_match=True)
     targets: TargetPreset = knob(TargetPreset.ATTENTION_MLP, choices=TargetPreset, must_match=True)
-    layout: Layout = knob(Layout.OFFSET, choices=Layout, must_match=True)
+    layout: Layout = knob(Layout.AUTO, choices=Layout, must_match=True)  # auto: the model's own
     timestep_sampler: TimestepSampler = knob(
         TimestepSampler.TOKEN_SHIFT, choices=TimestepSampler, must_match=True
     )

@@ -34,7 +34,7 @@ import torch
 
 from .choices import Layout, choose
 
-LAYOUTS = tuple(Layout)
+LAYOUTS = tuple(layout for layout in Layout if layout is not Layout.AUTO)  # the ids layouts
 # Layouts every supported ComfyUI's Flux knows by name (its `ref_latents_method`), for FLUX.1
 # and FLUX.2; others need our ids patched in (index_timestep_zero: ComfyUI 0.33+, FLUX.2 only).
 COMFY_NATIVE_LAYOUTS = (Layout.OFFSET, Layout.INDEX, Layout.UXO)
@@ -53,13 +53,23 @@ class TokenGrid:
     patch_size: int = 2
     axes: int = 3  # RoPE axes: (index, row, column) [+ a text position axis, on some models]
     ref_index_scale: float = 1.0  # the index step of the `index` layout
+    default_layout: str = "offset"  # the model's own layout (ComfyUI's default for it): `auto`
 
 
 DEFAULT_GRID = TokenGrid()
 
 
+def resolve_layout(layout: str, grid: TokenGrid = DEFAULT_GRID) -> str:
+    """`auto` as the model's own layout (`grid.default_layout`); any other as it is."""
+    return grid.default_layout if layout == Layout.AUTO else str(layout)
+
+
 def check_layout(layout: str) -> Layout:
-    return choose(Layout, layout, "layout")
+    """A layout ids can be computed for (`auto` must have been resolved first: `resolve_layout`)."""
+    chosen = choose(Layout, layout, "layout")
+    if chosen is Layout.AUTO:
+        raise ValueError("layout 'auto' is the model's own layout: resolve it with the model first")
+    return chosen
 
 
 def patch_grid(size: LatentSize, patch_size: int = 2) -> tuple[int, int]:
@@ -107,7 +117,7 @@ def reference_placements(
     grid: TokenGrid = DEFAULT_GRID,
 ) -> list[tuple[float, int, int]]:
     """(index, row offset, column offset) of each reference, offsets in patch units."""
-    check_layout(layout)
+    layout = str(check_layout(resolve_layout(layout, grid)))
     patch_size = grid.patch_size
     target_rows, target_cols = patch_grid(target, patch_size)
     placements = []

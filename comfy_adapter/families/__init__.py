@@ -36,8 +36,20 @@ class ModelFamily:
         """Which model the LoRA is for."""
         return self.base_models[bool(references)]
 
+    def resolve_layout(self, layout: str, diffusion_model) -> str:
+        """`auto` as the model's own layout (its `token_grid`'s: ComfyUI's default for it); any
+        other layout as it is."""
+        from ...trainer_core.position_ids import resolve_layout
+
+        return resolve_layout(layout, self.token_grid(diffusion_model))
+
     def check_layout(self, layout: str, diffusion_model=None) -> str:
-        """The layout, if it fits the family (and, given the model, this ComfyUI runs it)."""
+        """The layout, if it fits the family (and, given the model, this ComfyUI runs it);
+        `auto`, given the model, as the model's own (without it, `auto` fits)."""
+        if layout == "auto":
+            if diffusion_model is None:
+                return layout
+            layout = self.resolve_layout(layout, diffusion_model)
         if layout not in self.layouts:
             raise ValueError(
                 f"layout {layout!r} does not fit a {self.title} model; choose one of "
@@ -129,7 +141,7 @@ def trained_models() -> str:
 
 def layouts_by_family() -> str:
     """Which layouts fit which family, for the layout widget's tooltip."""
-    fits = [f"{f.title}: {', '.join(f.layouts)} ({f.layouts[0]} is its default)." for f in _all()]
+    fits = [f"{f.title}: {', '.join(f.layouts)} (auto: {f.layouts[0]})." for f in _all()]
     return " ".join(fits)
 
 

@@ -155,6 +155,11 @@ def test_the_inference_example_applies_the_trained_lora(server, trained):
     _, without_lora = run_inference(server, 0.0)
     assert without_lora.shape == with_lora.shape
     assert np.abs(with_lora - without_lora).max() > 0
+    # Issue 42 item 2: MultiImageConditioning's `auto` (its default now) samples exactly what the
+    # example's named `index` samples: FLUX.2's own layout (ComfyUI's `default_ref_method`);
+    # that `offset`, the old default, differs is tests/families/flux/test_flux2_train_lora.py's
+    _, auto = run_inference(server, lora["strength_model"], layout="auto")
+    assert np.array_equal(auto, with_lora)
 
 
 TIMESTEP_ZERO = "index_timestep_zero"

@@ -138,3 +138,14 @@ def test_an_oversized_reference_is_refused_by_input_name_before_any_encoding(set
         "image_2 is 4100x16; the cap is 4096 pixels on a side. Downscale it before loading."
     )
     assert encoded == []  # image_1 was not encoded for nothing
+
+
+def test_layout_auto_is_the_models_own(setup):
+    """Issue 42 item 2: `auto` (the node's default) sets the model's own layout on the
+    conditioning, by name: ComfyUI's `default_ref_method` for it (`offset` for FLUX.1; FLUX.2's
+    `index`: tests/e2e/test_flux2_workflows.py), so ComfyUI samples with what it would choose."""
+    assert setup["model"].model.diffusion_model.params.default_ref_method == "offset"
+    _, conditioning = conditioning_node(setup, "auto", image(32, 32), image(16, 24))
+    methods = {c[1].get("reference_latents_method") for c in conditioning}
+    assert methods == {"offset"}
+

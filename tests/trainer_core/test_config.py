@@ -19,7 +19,11 @@ from trainer_core.config import TrainConfig
         # every choice: the field's name, the value, and the choices (written out here)
         ("loss_weighting", "huber", "unknown loss_weighting 'huber'; choose one of none, sigma_sqrt, cosmap"),
         ("targets", "everything", "targets 'everything'; choose one of attention, attention_mlp, all_linear"),
-        ("layout", "grid", "'grid'; choose one of offset, index, uxo, dreamomni2, index_timestep_zero$"),
+        (
+            "layout",
+            "grid",
+            "'grid'; choose one of auto, offset, index, uxo, dreamomni2, index_timestep_zero$",
+        ),
         ("timestep_sampler", "beta", "'beta'; choose one of uniform, logit_normal, sigmoid, shift, flux_"),
         ("save_precision", "fp8", "unknown save_precision 'fp8'; choose one of bf16, fp16, fp32$"),
         ("optimizer", "sgd", "unknown optimizer 'sgd'; choose one of adamw, adafactor$"),

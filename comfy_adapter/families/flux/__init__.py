@@ -80,7 +80,7 @@ class FluxFamily(ModelFamily):
     def check_layout(self, layout: str, diffusion_model=None) -> str:
         """Also: a timestep-zero layout needs a ComfyUI that runs it (an older one would
         silently take an unknown method name for `offset`)."""
-        super().check_layout(layout)
+        layout = super().check_layout(layout)
         if (
             diffusion_model is not None
             and layout in TIMESTEP_ZERO_LAYOUTS

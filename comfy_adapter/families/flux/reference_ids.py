@@ -28,9 +28,12 @@ WRAPPER_KEY = "kontext_trainer.reference_ids"
 
 
 def token_grid(diffusion_model) -> TokenGrid:
-    """The patch size, RoPE axes and index step of ComfyUI's Flux (`FluxParams`)."""
+    """The patch size, RoPE axes and index step of ComfyUI's Flux (`FluxParams`), and the layout
+    ComfyUI samples it with when none is set (`default_ref_method`: `offset` for FLUX.1, `index`
+    for FLUX.2): what `auto` means for it."""
     params = diffusion_model.params
-    return TokenGrid(params.patch_size, len(params.axes_dim), float(params.ref_index_scale))
+    own = getattr(params, "default_ref_method", "offset")
+    return TokenGrid(params.patch_size, len(params.axes_dim), float(params.ref_index_scale), own)
 
 
 def _layout_of(diffusion_model, kwargs) -> str:

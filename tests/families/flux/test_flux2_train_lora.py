@@ -118,6 +118,26 @@ def test_trains_flux2_with_previews_writes_its_lora_and_resumes_exactly(mods, da
     assert resumed["loss"] == loss_map["loss"]
 
 
+def test_layout_auto_is_flux2s_own_index_and_resumes_a_run_that_named_it(mods, dataset):
+    """Issue 42 item 2: TrainLoRA's layout `auto` (its default now) is the model's own, ComfyUI's
+    `default_ref_method` for it: `index` for FLUX.2. A run with `auto` trains exactly as one
+    with `index` (equal losses) and records `index` in its LoRA; a checkpoint of the `index` run
+    resumes under `auto` (the resume check compares the resolved layout); `offset` (the old
+    default for every model) trains otherwise with these two references."""
+    assert mods.config.TrainConfig().layout == "auto"
+    common = {"steps": 2, "save_every": 1, "seed": 5}
+    named = run_train(mods, dataset, "kt_flux2_index", layout="index", **common).outputs[2]["loss"]
+    auto = run_train(mods, dataset, "kt_flux2_auto", layout="auto", **common).outputs[2]["loss"]
+    assert auto == named
+    _, metadata = mods.lora_file.load(loras_dir() / "kt_flux2_auto.safetensors")
+    assert metadata["kontext_trainer.layout"] == "index"
+    (first, _) = [c for c in mods.node.resume_choices() if c.startswith("kt_flux2_index/")]
+    resumed = run_train(mods, dataset, "kt_flux2_auto_resumed", resume=first, layout="auto", **common)
+    assert resumed.outputs[2]["loss"] == named
+    offset = run_train(mods, dataset, "kt_flux2_offset", layout="offset", **common).outputs[2]["loss"]
+    assert offset != named
+
+
 def test_a_dataset_of_the_other_family_is_refused_by_name(mods, folder, cache):
     flux1_latents = load_dataset(folder, cache, lambda: small_flux_vae(seed=1), lambda: tiny_clip(seed=2))[0]
     with pytest.raises(ValueError, match=r"latents have 16 channels but this FLUX\.2 MODEL takes 128: give"):
