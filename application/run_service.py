@@ -74,8 +74,8 @@ class PreparedRun:
         self.check_model(model, dataset)
 
     def resolve_layout(self, model) -> None:
-        """Layout `auto` becomes the model's own (its family's: FLUX.1 `offset`, FLUX.2 `index`)
-        before anything reads it: the resume check, the run, the LoRA's metadata."""
+        """Layout `auto` becomes the model's own (ComfyUI's default for it: FLUX.1 `offset`,
+        FLUX.2 `index`) before anything reads it: the resume check, the run, the LoRA's metadata."""
         if self.config.layout == "auto":
             layout = family_of(model).resolve_layout("auto", model.model.diffusion_model)
             self.request = dataclasses.replace(

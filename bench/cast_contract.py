@@ -28,6 +28,7 @@ LoRA's own small matmuls are left out). Designs: the casts kept, the per-layer r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import statistics
 import sys
@@ -62,6 +63,7 @@ def main() -> None:
 def timed(pack: str, args) -> None:
     import torch
 
+    from kt_testing.contract import contract_as
     from kt_testing.probes import tiny_samples
     from kt_testing.tiny_models import tiny_flux_patcher
 
@@ -71,7 +73,6 @@ def timed(pack: str, args) -> None:
         flow_step.Sample, 1, 4, [(args.size, args.size)], target=(args.size, args.size)
     )
     wide = {"hidden_size": 512, "num_heads": 8, "axes_dim": [16, 24, 24]}
-    install = ft.recast_in_backward
     cast_contract = importlib.import_module(f"{pack}.comfy_adapter.cast_contract")
     plain_cast = cast_contract.plain_cast_linear
 
@@ -82,14 +83,17 @@ def timed(pack: str, args) -> None:
         config = ft.TrainConfig(
             rank=16, alpha=16.0, targets="attention_mlp", gradient_checkpointing=checkpointing
         )
-        if design == former:
-            ft.recast_in_backward = lambda module, plan: lambda: None
-        if design in (ours, recompute):  # on every casting Linear, as where casts are reused
-            ft.recast_in_backward = lambda module, plan: install(module, cast_contract.ALWAYS)
+        # ours and the recompute on every casting Linear, as where casts are reused; former: none
+        plans = {former: None, ours: cast_contract.ALWAYS, recompute: cast_contract.ALWAYS}
+        forced = contract_as(ft, plans[design]) if design in plans else contextlib.nullcontext()
         if design == recompute:
             cast_contract.plain_cast_linear = lambda layer: False
         try:
-            with torch.inference_mode(False), ft.lora_session(model, config) as session:
+            with (
+                forced,
+                torch.inference_mode(False),
+                ft.lora_session(model, config) as session,
+            ):
                 params = session.lora.parameters()
                 times, saved = [], []
                 for i in range(args.steps):
@@ -106,7 +110,6 @@ def timed(pack: str, args) -> None:
                     times.append(time.perf_counter() - start)
                     saved.append(sum(kept.values()))
         finally:
-            ft.recast_in_backward = install
             cast_contract.plain_cast_linear = plain_cast
         return statistics.median(times[1:] or times), max(saved)
 

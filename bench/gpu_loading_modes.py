@@ -29,6 +29,7 @@ modes then load alike, so the gradients must agree exactly) to check the script.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -148,6 +149,7 @@ def worker(args, flags: list[str]) -> int:
     flow_step = importlib.import_module(f"{pack}.trainer_core.flow_step")
     cast_contract = importlib.import_module(f"{pack}.comfy_adapter.cast_contract")
     import nodes
+    from kt_testing.contract import contract_as
     from kt_testing.gradients import randomise_lora
 
     anon = AnonymousPeak()
@@ -163,30 +165,25 @@ def worker(args, flags: list[str]) -> int:
     )
     config = ft.TrainConfig(rank=16, alpha=16.0, targets="all_linear", gradient_checkpointing=True, seed=0)
     seconds, grads, loading = {}, None, ""
-    install = ft.recast_in_backward
     for setting in ("planned", "forced"):
-        if setting == "forced":
-            ft.recast_in_backward = lambda module, plan: install(module, cast_contract.ALWAYS)
-        try:
-            with torch.inference_mode(False), ft.lora_session(model, config) as session:
-                loading = session.contract.describe() if setting == "planned" else loading
-                randomise_lora(session, seed=2)
-                params = list(session.lora.parameters())
-                times = []
-                for _ in range(1 + args.steps):
-                    start = time.perf_counter()
-                    loss = session.loss([sample], torch.Generator().manual_seed(11))
-                    step_grads = torch.autograd.grad(loss, params)
-                    if use_cuda:
-                        torch.cuda.synchronize()
-                    times.append(time.perf_counter() - start)
-                    if grads is None:  # the first step of the planned run: the compared gradients
-                        names = [f"lora.{i}" for i in range(len(params))]
-                        pairs = zip(names, step_grads, strict=True)
-                        grads = {n: g.detach().float().cpu().contiguous() for n, g in pairs}
-                seconds[setting] = statistics.median(times[1:])
-        finally:
-            ft.recast_in_backward = install
+        forced = contract_as(ft, cast_contract.ALWAYS) if setting == "forced" else contextlib.nullcontext()
+        with forced, torch.inference_mode(False), ft.lora_session(model, config) as session:
+            loading = session.contract.describe() if setting == "planned" else loading
+            randomise_lora(session, seed=2)
+            params = list(session.lora.parameters())
+            times = []
+            for _ in range(1 + args.steps):
+                start = time.perf_counter()
+                loss = session.loss([sample], torch.Generator().manual_seed(11))
+                step_grads = torch.autograd.grad(loss, params)
+                if use_cuda:
+                    torch.cuda.synchronize()
+                times.append(time.perf_counter() - start)
+                if grads is None:  # the first step of the planned run: the compared gradients
+                    names = [f"lora.{i}" for i in range(len(params))]
+                    pairs = zip(names, step_grads, strict=True)
+                    grads = {n: g.detach().float().cpu().contiguous() for n, g in pairs}
+            seconds[setting] = statistics.median(times[1:])
     from safetensors.torch import save_file
 
     save_file(grads, str(args.scratch / f"{args.worker}.safetensors"))

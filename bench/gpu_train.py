@@ -122,16 +122,11 @@ def table(rows: list[dict], cuda: bool) -> str:
     return "\n".join(lines)
 
 
-@contextlib.contextmanager
 def contract(mods, mode: str):
     """The session's cast contract as planned, or forced on every casting Linear (`ALWAYS`)."""
-    install = mods.ft.recast_in_backward
-    if mode == "forced":
-        mods.ft.recast_in_backward = lambda module, plan: install(module, mods.cast_contract.ALWAYS)
-    try:
-        yield
-    finally:
-        mods.ft.recast_in_backward = install
+    from kt_testing.contract import contract_as
+
+    return contract_as(mods.ft, mods.cast_contract.ALWAYS) if mode == "forced" else contextlib.nullcontext()
 
 
 def run_config(

@@ -136,7 +136,7 @@ class MultiImageConditioning(io.ComfyNode):
             check_layout(layout)  # a name no layout has, before whether it fits the model
         family = check_layout_fits(model, layout, "MultiImageConditioning's model")
         # auto: the model's own (ComfyUI's default for it), set on the conditioning by name
-        layout = str(check_layout(family.resolve_layout(layout, model.model.diffusion_model)))
+        layout = family.resolve_layout(layout, model.model.diffusion_model)
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")

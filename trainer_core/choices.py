@@ -61,8 +61,9 @@ class TargetPreset(Choice):
 
 
 class Layout(Choice):
-    """Reference position-id layouts (`position_ids`); `auto` is the model's own (its family's
-    first layout: FLUX.1 `offset`, FLUX.2 `index`), resolved where the model is known."""
+    """Reference position-id layouts (`position_ids`); `auto` is the model's own (the one ComfyUI
+    samples it with by default, its `TokenGrid.default_layout`: FLUX.1 `offset`, FLUX.2 `index`),
+    resolved where the model is known (`position_ids.resolve_layout`)."""
 
     AUTO = "auto"
     OFFSET = "offset"

@@ -11,6 +11,7 @@ read no reused cast (a `saved_tensors_hooks` alias check cannot see inside a che
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 
 import pytest
@@ -18,9 +19,10 @@ import torch
 import torch.utils.checkpoint
 
 from kt_testing import cast_replay
+from kt_testing.contract import contract_as
 from kt_testing.gradients import randomise_lora
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import tiny_flux_patcher
+from kt_testing.tiny_models import fp8_flux_patcher, tiny_flux_patcher
 
 
 @pytest.fixture(scope="module")
@@ -38,33 +40,26 @@ def step(
     config = ft.TrainConfig(rank=2, alpha=2.0, targets="attention", gradient_checkpointing=checkpointing)
     model = make_model() if make_model else tiny_flux_patcher(seed=6)
     aliases = []
-    with torch.inference_mode(False), contextlib_replay(replay) as memory:
+    kept = contract_as(ft, None) if keep_casts else contextlib.nullcontext()
+    with torch.inference_mode(False), contextlib_replay(replay) as memory, kept:
         if memory is not None:
             cast_replay.replay_for_patcher(model, memory)
-        install = ft.recast_in_backward
-        if keep_casts:
-            ft.recast_in_backward = lambda module, plan=None: lambda: None
-        try:
-            with ft.lora_session(model, config) as session:
-                randomise_lora(session, seed=3)
+        with ft.lora_session(model, config) as session:
+            randomise_lora(session, seed=3)
 
-                def pack_saved(tensor):
-                    stored = getattr(tensor, "_qdata", tensor)  # a quantized weight's packed values
-                    if memory is not None and stored.untyped_storage().data_ptr() == memory.base.data_ptr():
-                        aliases.append(tuple(tensor.shape))
-                    return tensor
+            def pack_saved(tensor):
+                stored = getattr(tensor, "_qdata", tensor)  # a quantized weight's packed values
+                if memory is not None and stored.untyped_storage().data_ptr() == memory.base.data_ptr():
+                    aliases.append(tuple(tensor.shape))
+                return tensor
 
-                with torch.autograd.graph.saved_tensors_hooks(pack_saved, lambda t: t):
-                    loss = session.loss(samples, torch.Generator().manual_seed(11))
-                grads = torch.autograd.grad(loss, session.lora.parameters())
-        finally:
-            ft.recast_in_backward = install
+            with torch.autograd.graph.saved_tensors_hooks(pack_saved, lambda t: t):
+                loss = session.loss(samples, torch.Generator().manual_seed(11))
+            grads = torch.autograd.grad(loss, session.lora.parameters())
     return loss.detach(), grads, aliases
 
 
 def contextlib_replay(kind):
-    import contextlib
-
     return cast_replay.replay(kind) if kind else contextlib.nullcontext()
 
 
@@ -122,7 +117,7 @@ def test_the_contract_is_taken_off_when_training_ends(ft, samples):
 
 
 def fp8_weights():
-    return tiny_flux_patcher(seed=6, dtype=torch.float8_e4m3fn, manual_cast_dtype=torch.float32)
+    return fp8_flux_patcher(seed=6)
 
 
 def contract_of(ft, make_model, checkpointing: bool, replay: str | None = None):
@@ -299,10 +294,9 @@ def test_a_re_cast_reads_no_input_so_an_in_place_change_leaves_its_gradient_exac
 
 
 def quantized_tiny_flux():
-    from kt_testing.quantized_files import quantized_flux_model
-    from kt_testing.tiny_models import TINY_FLUX_CONFIG, flux_patcher
+    from kt_testing.quantized_files import quantized_flux_patcher
 
-    return flux_patcher(quantized_flux_model(TINY_FLUX_CONFIG, seed=6)[0])
+    return quantized_flux_patcher(seed=6)
 
 
 def test_a_quantized_models_reused_casts_break_a_step_that_keeps_them_and_not_ours(ft, samples):

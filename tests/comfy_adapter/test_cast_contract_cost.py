@@ -34,7 +34,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from kt_testing import cast_replay
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import tiny_flux_patcher
+from kt_testing.tiny_models import fp8_flux_patcher, tiny_flux_patcher
 
 BLOCKS = ("double_blocks.", "single_blocks.")
 
@@ -55,20 +55,15 @@ def samples(pack_import):
 
 
 def quantized():
-    from kt_testing.quantized_files import quantized_flux_model
-    from kt_testing.tiny_models import TINY_FLUX_CONFIG, flux_patcher
+    from kt_testing.quantized_files import quantized_flux_patcher
 
-    return flux_patcher(quantized_flux_model(TINY_FLUX_CONFIG, seed=6)[0])
-
-
-def fp8_weights():
-    return tiny_flux_patcher(seed=6, dtype=torch.float8_e4m3fn, manual_cast_dtype=torch.float32)
+    return quantized_flux_patcher(seed=6)
 
 
 # mode: (the MODEL, the cast replay, TrainLoRA's fp8_mode)
 MODES = {
     "plain": (lambda: tiny_flux_patcher(seed=6), None, "as_loaded"),
-    "fp8_weights": (fp8_weights, None, "as_loaded"),
+    "fp8_weights": (lambda: fp8_flux_patcher(seed=6), None, "as_loaded"),
     "fp8_scaled": (lambda: tiny_flux_patcher(seed=6), None, "fp8_scaled"),
     "quantized_file": (quantized, None, "as_loaded"),
     "quantized_dynamic_vram_buffers": (quantized, "dynamic", "as_loaded"),

@@ -141,3 +141,11 @@ def quantized_flux_model(unet_config: dict, seed: int, fmt: str = "float8_e4m3fn
     if missing or unexpected:
         raise RuntimeError(f"quantized tiny model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return model.eval(), plain
+
+
+def quantized_flux_patcher(seed: int, fmt: str = "float8_e4m3fn"):
+    """A MODEL around the tiny Flux of `quantized_flux_model` (block Linears in ComfyUI's
+    quantized Linear, computed in fp32), as a stock loader hands a quantized file over."""
+    from .tiny_models import TINY_FLUX_CONFIG, flux_patcher
+
+    return flux_patcher(quantized_flux_model(TINY_FLUX_CONFIG, seed, fmt)[0])

@@ -156,6 +156,12 @@ def tiny_flux_patcher(
     return flux_patcher(build_flux_model({**TINY_FLUX_CONFIG, **overrides}, seed, dtype, manual_cast_dtype))
 
 
+def fp8_flux_patcher(seed: int = 0, **overrides):
+    """A tiny Flux stored in e4m3 and computed in fp32 (the stock UNETLoader's weight_dtype fp8):
+    every Linear casts per forward."""
+    return tiny_flux_patcher(seed, torch.float8_e4m3fn, torch.float32, **overrides)
+
+
 def tiny_flux2_patcher(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
