@@ -284,16 +284,16 @@ def start_tracking(
 
 
 def announce_estimate(
-    job, tracker, model, dataset, config, paths: LoraPaths, resume_notes: list[str] = ()
+    job, tracker, model, dataset, config, paths: LoraPaths, resume_notes: list[str] = (), family=None
 ) -> Estimate:
     """The VRAM estimate, logged and kept on every step's progress message, after `resume_notes`
     (what a resume changed: already logged) and before what dynamic VRAM changes."""
-    estimate = vram_estimate(model, dataset, config)
+    estimate = vram_estimate(model, dataset, config, family)
     weights = module_weight_bytes(model.model.diffusion_model)
     LOGGER.info(
         "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
     )
-    notes = dynamic_vram_notes(model, config.blocks_to_swap, config.fp8_mode)
+    notes = dynamic_vram_notes(model, config.blocks_to_swap, config.fp8_mode, family)
     for note in notes:
         LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
     message = f"estimated VRAM {estimate}"

@@ -68,16 +68,26 @@ class PreparedRun:
         return self.run.paths
 
     def check_fit(self, model, dataset) -> None:
-        """The layout resolved, then both checks below (the node makes them together)."""
+        """The model's entry and layout resolved, then both checks below (the node makes them
+        together)."""
         self.resolve_layout(model)
         self.check_resume(dataset)
         self.check_model(model, dataset)
 
+    def family_for(self, model):
+        """The model's `families.ModelFamily` entry, resolved on the first call (it refuses a
+        model the pack does not train) and carried by the run from then on (`Run.family`)."""
+        if self.run.family is None:
+            self.run.family = family_of(model)
+        return self.run.family
+
     def resolve_layout(self, model) -> None:
-        """Layout `auto` becomes the model's own (ComfyUI's default for it: FLUX.1 `offset`,
-        FLUX.2 `index`) before anything reads it: the resume check, the run, the LoRA's metadata."""
+        """The model's entry resolved (`family_for`), and layout `auto` becomes the model's own
+        (ComfyUI's default for it: FLUX.1 `offset`, FLUX.2 `index`) before anything reads it:
+        the resume check, the run, the LoRA's metadata."""
+        family = self.family_for(model)
         if self.config.layout == "auto":
-            layout = family_of(model).resolve_layout("auto", model.model.diffusion_model)
+            layout = family.resolve_layout("auto", model.model.diffusion_model)
             self.request = dataclasses.replace(
                 self.request, config=dataclasses.replace(self.config, layout=layout)
             )
@@ -115,7 +125,7 @@ class PreparedRun:
 
     def check_model(self, model, dataset) -> None:
         """The model can train this dataset with this config (family, layout, quantization)."""
-        check_model_fits(model, dataset, self.config.layout)
+        check_model_fits(model, dataset, self.config.layout, self.family_for(model))
         check_quantized_model(model, self.config.fp8_mode)
 
     def run_to_end(

@@ -27,6 +27,7 @@ import torch
 from ..comfy_adapter.cast_contract import linear_names
 from ..comfy_adapter.comfy_loading import interrupted_error
 from ..comfy_adapter.comfy_quantized import base_record, weight_formats
+from ..comfy_adapter.families import ModelFamily
 from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.previews import PreviewSettings
@@ -77,6 +78,8 @@ class Run:
     overwrite: bool = False  # the user allows replacing the LoRA file (checked again at its rename)
     model_file: Path | None = None  # the base model's file, when known (for the LoRA's metadata)
     notes: list[str] = field(default_factory=list)  # what the checks changed (shown with the estimate)
+    # the model's `families.ModelFamily` entry, resolved once for the run (`PreparedRun.family_for`)
+    family: ModelFamily | None = None
 
     @property
     def rank(self) -> int:
@@ -101,14 +104,17 @@ class TrainingOutcome:
     note: str = ""
 
 
-def seed_lora(path: Path, model, config: TrainConfig) -> dict[str, LoraModule]:
+def seed_lora(
+    path: Path, model, config: TrainConfig, family: ModelFamily | None = None
+) -> dict[str, LoraModule]:
     """The modules of a LoRA file a new run starts from (`start_from_lora`), checked against
-    this model's layers and the rank widget."""
+    this model's layers and the rank widget (`family`: the model's entry, when resolved)."""
     diffusion_model = model.model.diffusion_model
     names = linear_names(diffusion_model)
     modules = dict(diffusion_model.named_modules())
     shapes = {name: (modules[name].out_features, modules[name].in_features) for name in names}
-    return read_seed_lora(path, names, config.rank, shapes, family_of(model).diffusers_places(names))
+    places = (family or family_of(model)).diffusers_places(names)
+    return read_seed_lora(path, names, config.rank, shapes, places)
 
 
 class SampleCache:
@@ -160,6 +166,7 @@ class TrainingRun:
         self.preview = preview
         self.interrupted = interrupted_error()
         self.paths, self.collective, self.writes = run.paths, run.collective, run.rank == 0
+        self.family = run.family or family_of(model)  # resolved once for the run
 
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
     def start(self) -> None:
@@ -170,11 +177,13 @@ class TrainingRun:
             remove_stale_partials(paths)
         layers = linear_names(self.model.model.diffusion_model)
         self.resume = resume = load_checkpoint(run.resume, layers) if run.resume is not None else None
-        seeded = seed_lora(run.start_from, self.model, config) if run.start_from else None
+        seeded = seed_lora(run.start_from, self.model, config, self.family) if run.start_from else None
         self.initial = resume.lora if resume else seeded
         self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
         self.notes = continuation_notes(resume.config, resume.step, config, self.base) if resume else []
-        self.notes += family_of(self.model).file_notes(config) + run.notes
+        self.notes += self.family.file_notes(config) + run.notes
+        if self.family.cannot_tell:  # what ComfyUI cannot tell about the model: the first line
+            self.notes.insert(0, self.family.cannot_tell)
         for note in self.notes:
             LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
 
@@ -192,7 +201,7 @@ class TrainingRun:
         self.held_out = self.samples.held_out()
         self.tracker = start_tracking(job, config, resume, self.preview, held_out=len(self.held_out or ()))
         self.estimate = announce_estimate(
-            job, self.tracker, model, dataset, config, self.paths, resume_notes=self.notes
+            job, self.tracker, model, dataset, config, self.paths, resume_notes=self.notes, family=self.family
         )
         record = run_record(
             config, dataset.content_hash, run.world_size, dataset.held_out_hash, base=self.base
@@ -201,7 +210,7 @@ class TrainingRun:
             record["resumed_from"] = str(resume.path)
         # data parallel: global batches of world_size x batch_size, each process trains its rows
         self.order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
-        family = family_of(model)
+        family = self.family
         self.facts = RunFacts(
             output_name=self.paths.stem,
             base_model=family.base_model(dataset.reference_count),
@@ -238,7 +247,12 @@ class TrainingRun:
         # what ComfyUI's loader must leave room for beside the weights
         working_memory = int((estimate.activations + estimate.lora + estimate.overhead) * 2**30)
         with lora_session(
-            self.model, config, self.initial, self.empty_text, memory_required=working_memory
+            self.model,
+            config,
+            self.initial,
+            self.empty_text,
+            memory_required=working_memory,
+            family=self.family,
         ) as session:
             CONTRACT_LOGGER.info("TrainLoRA %s: %s", self.paths.stem, session.contract.describe())
             self._join_processes(session)

@@ -5,7 +5,8 @@ Identities (part of every cache key) fingerprint what determines the encoder's o
 values), the compute dtype, and for the text encoder any patches (e.g. a LoRA on CLIP) with
 their strengths. They also name the model family's side of it outright: the VAE's latent
 space (channels and scale: FLUX.1 16 at 1/8, FLUX.2 128 at 1/16) and the text encoder's class
-(CLIP-L + T5 or FLUX.2's Mistral), so a cache filled for one family is never read for another.
+(CLIP-L + T5, FLUX.2's Mistral or klein's Qwen3), so a cache filled for one family is never read
+for another. `check_text_encoder` refuses a text encoder that fits no model the pack trains.
 """
 
 from __future__ import annotations
@@ -29,7 +30,31 @@ def clip_identity(clip) -> str:
     return weights_identity(clip.cond_stage_model.state_dict().items(), extra=("clip", kind, patches))
 
 
+def check_text_encoder(clip) -> None:
+    """Refuse a Qwen3 loaded as Z-Image's text encoder: it encodes for no model the pack trains.
+    ComfyUI before 0.33 loads every Qwen3-4B so, whatever CLIPLoader's type (it has no FLUX.2
+    [klein] encoder); 0.33 does for a type other than flux2."""
+    if not type(clip.cond_stage_model).__module__.endswith("text_encoders.z_image"):
+        return
+    import comfy.text_encoders.flux
+
+    if not hasattr(comfy.text_encoders.flux, "klein_te"):
+        from .forward_guard import comfyui_version
+
+        raise ValueError(
+            f"the CLIP is a Qwen3, which this ComfyUI ({comfyui_version()}) loads as Z-Image's text "
+            "encoder: FLUX.2 [klein]'s text encoder needs ComfyUI 0.33 or newer. Update ComfyUI, then "
+            "load the Qwen3 with CLIPLoader type flux2"
+        )
+    raise ValueError(
+        "the CLIP is Z-Image's text encoder (a Qwen3 loaded with a CLIPLoader type other than "
+        "flux2): for FLUX.2 [klein], load the Qwen3 with CLIPLoader type flux2"
+    )
+
+
 def comfy_encoders(vae, clip) -> Encoders:
+    check_text_encoder(clip)
+
     def encode_image(pixels: np.ndarray) -> torch.Tensor:
         return vae.encode(torch.from_numpy(np.ascontiguousarray(pixels))[None])[0].cpu()
 

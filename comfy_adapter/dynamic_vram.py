@@ -40,17 +40,17 @@ def fp8_scaled_note(fp8_bytes: int) -> str:
     )
 
 
-def fp8_scaled_bytes(model) -> int:
-    """The size of fp8_scaled's e4m3 block weights (one byte per value) for this MODEL."""
+def fp8_scaled_bytes(model, family) -> int:
+    """The size of fp8_scaled's e4m3 block weights (one byte per value) for this MODEL of
+    `family` (its `families.ModelFamily` entry)."""
     from ..trainer_core.fp8_rows import scaled_layer_names
-    from .model_family import family_of
 
     diffusion_model = model.model.diffusion_model
-    names = scaled_layer_names(diffusion_model, family_of(model).fp8_layers)
+    names = scaled_layer_names(diffusion_model, family.fp8_layers)
     return sum(diffusion_model.get_submodule(name).weight.numel() for name in names)
 
 
-def dynamic_vram_notes(model, blocks_to_swap: int, fp8_mode: str = "as_loaded") -> list[str]:
+def dynamic_vram_notes(model, blocks_to_swap: int, fp8_mode: str = "as_loaded", family=None) -> list[str]:
     """The statements a run on `model` shows before it starts (the first says the mode; the
     run adds what training needs beside the streamed weights to it): none off dynamic VRAM."""
     if not is_dynamic(model):
@@ -59,5 +59,9 @@ def dynamic_vram_notes(model, blocks_to_swap: int, fp8_mode: str = "as_loaded") 
     if blocks_to_swap:
         notes.append(block_swap_note(blocks_to_swap))
     if fp8_mode == "fp8_scaled":
-        notes.append(fp8_scaled_note(fp8_scaled_bytes(model)))
+        if family is None:
+            from .model_family import family_of
+
+            family = family_of(model)
+        notes.append(fp8_scaled_note(fp8_scaled_bytes(model, family)))
     return notes

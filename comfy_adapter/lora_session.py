@@ -207,6 +207,7 @@ def lora_session(
     empty_text: EmptyText | None = None,
     poison_swapped: bool = False,
     memory_required: int = 0,
+    family: ModelFamily | None = None,
 ):
     """Yield a `LoraSession` training a new LoRA (or `initial`) on a clone of `model`.
 
@@ -222,7 +223,8 @@ def lora_session(
         contextlib.ExitStack() as undo,
     ):
         torch.manual_seed(config.seed)
-        family = check_layout_fits(model, config.layout)  # also here: the headless path, tests
+        # (also here: the headless path, tests; `family`: the run's, resolved once for it)
+        family = check_layout_fits(model, config.layout, family=family)
         # `auto`: the model's own layout, from here on (ids, the guard, the session's config)
         own = family.resolve_layout(config.layout, model.model.diffusion_model)
         config = dataclasses.replace(config, layout=own)

@@ -1,10 +1,13 @@
-"""The model families the pack trains: one `ModelFamily` per family, in one registry keyed by
-what ComfyUI's own detection records for a checkpoint (`unet_config["image_model"]`), as
-ComfyUI's `supported_models` are.
+"""The models the pack trains: one `ModelFamily` entry per model, in one registry matched on what
+ComfyUI's own detection records for a checkpoint (its `unet_config`: `image_model`, then the
+entry's `detects`), as ComfyUI's `supported_models` match. Several entries can share one
+`image_model` and one code path (FLUX.2 [dev] and [klein] 4B / 9B run ComfyUI's one FLUX.2
+class); `entry_for` picks the one whose `detects` match, the most specific first.
 
-A family lives in its own folder here (`flux/` registers FLUX.1 and FLUX.2) and is a subclass
-of `ModelFamily` whose instances carry the family's facts (the fields) and whose methods say
-what training does differently for it (the protocol below). Everything else, the run, the
+A family lives in its own folder here (`flux/` registers FLUX.1, FLUX.2 [dev] and FLUX.2 [klein])
+and is a subclass of `ModelFamily` whose instances carry each model's facts (the fields) and
+whose methods say what training does differently for it (the protocol below). A run resolves
+its entry once (`model_family.family_of`) and carries it. Everything else, the run, the
 LoRA layers, the loss, checkpoints, casts and loading, is the same for every family and reads
 nothing of a family's model but through these methods. User-facing text names a family by its
 `title`; "the pack trains ..." is built from the registry.
@@ -31,6 +34,18 @@ class ModelFamily:
     names: ModelNames  # what a LoRA's metadata calls the base model
     text_encoder: str  # what LoadKontextDataset's CLIP should be, for messages
     base_models: tuple[str, str]  # ours (kontext_trainer.base_model): without / with references
+    # what ComfyUI's unet_config must hold beyond image_model (ComfyUI's supported_models match
+    # the same way); among the entries that match, the one with the most items is the model
+    detects: tuple[tuple[str, object], ...] = ()
+    # releases ComfyUI cannot tell apart in this entry's files, and what to do about it: the
+    # first line of a run's progress and of its log (empty: none)
+    cannot_tell: str = ""
+
+    def matches(self, unet_config: dict) -> bool:
+        """ComfyUI detected this model: its image_model and every item of `detects`."""
+        if unet_config.get("image_model") != self.image_model:
+            return False
+        return all(unet_config.get(key, _ABSENT) == value for key, value in self.detects)
 
     def base_model(self, references: int) -> str:
         """Which model the LoRA is for."""
@@ -125,12 +140,18 @@ class ModelFamily:
         return []
 
 
-FAMILIES: dict[str, ModelFamily] = {}
+_ABSENT = object()
+
+FAMILIES: dict[str, ModelFamily] = {}  # title -> entry, in the order registered
 
 
 def register(family: ModelFamily) -> ModelFamily:
-    FAMILIES[family.image_model] = family
+    FAMILIES[family.title] = family
     return family
+
+
+def unregister(family: ModelFamily) -> None:
+    FAMILIES.pop(family.title, None)
 
 
 def trained_models() -> str:
@@ -140,21 +161,34 @@ def trained_models() -> str:
 
 
 def layouts_by_family() -> str:
-    """Which layouts fit which family, for the layout widget's tooltip."""
-    fits = [f"{f.title}: {', '.join(f.layouts)} (auto: {f.layouts[0]})." for f in _all()]
+    """Which layouts fit which family, for the layout widget's tooltip: one line for the entries
+    of one `image_model` that share their layouts, named by the first."""
+    groups: dict[tuple, ModelFamily] = {}
+    for family in _all():
+        groups.setdefault((family.image_model, family.layouts), family)
+    fits = [f"{f.title}: {', '.join(f.layouts)} (auto: {f.layouts[0]})." for f in groups.values()]
     return " ".join(fits)
 
 
-def family_named(image_model: str | None, what: str = "this MODEL") -> ModelFamily:
-    """The family ComfyUI detected, or a clear refusal for a model the pack does not train."""
-    family = _all_named().get(image_model or "")
-    if family is None:
+def entry_for(unet_config: dict, what: str = "this MODEL") -> ModelFamily:
+    """The model ComfyUI detected (`unet_config`: its model config's), or a clear refusal for a
+    model the pack does not train."""
+    image_model = unet_config.get("image_model")
+    entries = [family for family in _all() if family.image_model == (image_model or "")]
+    if not entries:
         kind = f"a {image_model} model" if image_model else "a model of no type ComfyUI detects"
         raise ValueError(
             f"{what} is {kind}; Kontext Trainer handles {trained_models()}. Load one of those with "
             "the stock loaders"
         )
-    return family
+    matching = [family for family in entries if family.matches(unet_config)]
+    if not matching:
+        raise ValueError(
+            f"{what} is a {image_model} model that is none of {', '.join(f.trains for f in entries)} "
+            f"as ComfyUI detected it; Kontext Trainer handles {trained_models()}. Load one of those "
+            "with the stock loaders"
+        )
+    return max(matching, key=lambda family: len(family.detects))  # the first of the most specific
 
 
 def refuse_variant(family: ModelFamily, variant: str | None, what: str = "this MODEL") -> None:

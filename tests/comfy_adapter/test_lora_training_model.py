@@ -178,7 +178,7 @@ def test_saved_lora_through_stock_loader_equals_the_trained_model(
     path = f"{folder_paths.get_folder_paths('loras')[0]}/{name}"
     model = tiny.patcher(seed=13)
     base_model = {"flux": "flux1_kontext", "flux2": "flux2_dev"}[family]
-    names = comfy_runtime.pack_module.comfy_adapter.families.family_named(family).names
+    names = comfy_runtime.pack_module.comfy_adapter.model_family.family_of(model).names
     facts = core.lora_metadata.RunFacts("kt_trained", base_model, 64, 4, 2, "cafe", 1.7e9, 1, names)
 
     def output(model, transformer_options=None):  # this family's input

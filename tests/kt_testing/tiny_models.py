@@ -172,6 +172,12 @@ def tiny_flux2_patcher(
     return flux_patcher(build_flux_model({**TINY_FLUX2_CONFIG, **overrides}, seed, dtype, manual_cast_dtype))
 
 
+def tiny_klein_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A MODEL around a tiny FLUX.2 [klein]: the tiny FLUX.2 without guidance_in (what ComfyUI's
+    detection tells klein by), so the pack takes it as klein 4B (any width but 9B's 4096)."""
+    return tiny_flux2_patcher(seed, dtype, **{"guidance_embed": False, **overrides})
+
+
 def small_flux2_vae(seed: int = 0):
     """A ComfyUI VAE with FLUX.2's latent rule but few channels: 32 z channels, then the 2x2
     pack and batch-norm of `batch_norm_latent` (comfy/ldm/models/autoencoder.py), so latents

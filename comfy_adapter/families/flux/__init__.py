@@ -1,16 +1,18 @@
-"""The Flux families: FLUX.1 (dev, Kontext; `image_model` "flux") and FLUX.2 [dev] ("flux2").
+"""The Flux families: FLUX.1 (dev, Kontext; `image_model` "flux"), FLUX.2 [dev] and FLUX.2 [klein]
+4B / 9B (all three "flux2").
 
-Both run the same `comfy/ldm/flux/model.py` class, so one `FluxFamily` serves both; what differs
+All run the same `comfy/ldm/flux/model.py` class, so one `FluxFamily` serves them; what differs
 for training comes from the model's `FluxParams` (patch size, RoPE axes, the index layout's step,
-guidance, widths) and from the two entries (the reference layouts that fit, the names a LoRA
-file's metadata gives the base model). `blocks.py`: the block patches; `reference_ids.py`: the
+guidance, widths) and from the entries (what ComfyUI's detection tells them by, the reference
+layouts that fit, the names a LoRA file's metadata gives the base model, the text encoder, the
+release's full-size shape). `blocks.py`: the block patches; `reference_ids.py`: the
 reference ids and the padded mixed-size batch.
 """
 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,10 +25,9 @@ from . import blocks, lora_names, reference_ids
 from .lora_targets import target_module_names
 from .vram import T5_TOKENS, FluxShape, estimate_vram
 
-# Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train:
-# their text ids, layers or text encoder differ, and training them is not proven. Told apart by
-# what ComfyUI's detection reads from the weights (comfy/model_detection.py, 0.33).
-FLUX2_KLEIN_CONTEXT = {7680: "FLUX.2 [klein] 4B", 12288: "FLUX.2 [klein] 9B"}  # Qwen3 4B / 8B, 3 layers
+# Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train
+# (their text ids, layers or text encoder differ, and training them is not proven) are told apart
+# by what ComfyUI's detection reads from the weights (comfy/model_detection.py, 0.33).
 
 
 def unsupported_variant(
@@ -45,9 +46,24 @@ def unsupported_variant(
             return "LongCat-Image"
         if txt_ids_dims:
             return f"a Flux-architecture model with text position ids on axes {list(txt_ids_dims)}"
-    if image_model == "flux2":
-        return FLUX2_KLEIN_CONTEXT.get(context_in_dim)
     return None
+
+
+def flux2_shape(hidden: int, double_blocks: int, single_blocks: int, context_dim: int) -> FluxShape:
+    """A FLUX.2 release's shape: 128 latent channels, SiLU-gated MLPs of ratio 3, no biases, no
+    pooled text, model-wide modulation (comfy/model_detection.py, 0.33)."""
+    return FluxShape(
+        hidden=hidden,
+        mlp_ratio=3.0,
+        double_blocks=double_blocks,
+        single_blocks=single_blocks,
+        patch_channels=128,
+        context_dim=context_dim,
+        vec_dim=None,
+        gated_mlp=True,
+        biases=False,
+        global_modulation=True,
+    )
 
 
 def comfy_runs_timestep_zero(diffusion_model) -> bool:
@@ -67,6 +83,10 @@ def _compute_dtype(base_model) -> torch.dtype:
 
 @dataclass(frozen=True)
 class FluxFamily(ModelFamily):
+    # the release's full-size shape (FluxShape.of its FluxParams): what the VRAM table and the
+    # benches estimate for it; a run estimates from the loaded model's own params
+    shape: FluxShape = field(default_factory=FluxShape)
+
     def variant(self, diffusion_model) -> str | None:
         params = diffusion_model.params
         return unsupported_variant(
@@ -265,6 +285,7 @@ FLUX1 = register(
         # not index_timestep_zero: ComfyUI (0.33) runs it only with FLUX.2's model-wide
         # modulation; FLUX.1's per-block modulation fails on the doubled timestep batch
         layouts=tuple(layout for layout in LAYOUTS if layout not in TIMESTEP_ZERO_LAYOUTS),
+        shape=FluxShape(),  # FLUX.1 dev and Kontext
         # sd-scripts' names for every FLUX.1 model (Kontext has FLUX.1 dev's weights and shapes)
         # (the model spec has no Kontext architecture: Kontext has FLUX.1 dev's weights and shapes)
         names=ModelNames("flux1", "flux-1-dev/lora", *SD_SCRIPTS_FLUX),
@@ -293,5 +314,48 @@ FLUX2 = register(
         ),
         text_encoder="Mistral-3 (CLIPLoader, type flux2)",
         base_models=("flux2_dev", "flux2_dev"),  # natively multi-reference: one model either way
+        detects=(("guidance_embed", True),),  # [dev] is guidance-distilled: it has guidance_in
+        shape=flux2_shape(6144, 8, 48, context_dim=15360),  # Mistral-3: layers 10, 20, 30, 3 x 5120
+    )
+)
+
+# FLUX.2 [klein]: ComfyUI's FLUX.2 class without guidance_in, 4B 3072 wide (Qwen3-4B text: layers
+# 9, 18 and 27, 3 x 2560), 9B 4096 wide (Qwen3-8B: 3 x 4096). A klein of any other width (the
+# tests' tiny ones) is taken as 4B. Base and distilled files share one layout; only Base trains
+# well (a LoRA trained on the distilled file comes out weak).
+KLEIN_BASE_OR_DISTILLED = (
+    "{title}: ComfyUI cannot tell a Base file from a distilled one; train on Base ({file}): a LoRA "
+    "trained on the distilled file comes out weak"
+)
+
+
+def klein(size: str, hidden: int, blocks: tuple[int, int], text: tuple[str, int], file: str, detects=()):
+    """A klein entry: `text` is its Qwen3 and that one's width (ComfyUI's klein_te taps 3 layers)."""
+    title = f"FLUX.2 [klein] {size}"
+    return FluxFamily(
+        image_model="flux2",
+        title=title,
+        trains=title,
+        layouts=FLUX2.layouts,
+        # musubi-tuner's names (flux_2_train_network.py --model_version klein-base-4b / -9b)
+        names=ModelNames(
+            f"flux_2_klein_{size.lower()}",
+            f"Flux.2-klein-{size.lower()}/lora",
+            "flux2",
+            "networks.lora_flux_2",
+            "https://github.com/black-forest-labs/flux2",
+        ),
+        text_encoder=f"{text[0]} (CLIPLoader, type flux2)",
+        base_models=(f"flux2_klein_{size.lower()}",) * 2,
+        detects=(("guidance_embed", False), *detects),
+        cannot_tell=KLEIN_BASE_OR_DISTILLED.format(title=title, file=file),
+        shape=flux2_shape(hidden, *blocks, context_dim=3 * text[1]),
+    )
+
+
+KLEIN_4B = register(klein("4B", 3072, (5, 20), ("Qwen3-4B", 2560), "flux-2-klein-base-4b.safetensors"))
+KLEIN_9B = register(
+    klein(
+        "9B", 4096, (8, 24), ("Qwen3-8B", 4096), "flux-2-klein-base-9b.safetensors", (("hidden_size", 4096),)
     )
 )

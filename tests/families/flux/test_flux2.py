@@ -220,11 +220,10 @@ def test_what_does_not_fit_flux2_is_refused_before_sampling(flux2, pack, conditi
 
 
 # Tiny models with the detection's tell-tales (comfy/model_detection.py in 0.33): LongCat-Image
-# runs as "flux" with a 3584-wide text input and no pooled vector; FLUX.2 [klein] 4B runs as
-# "flux2" with Qwen3-4B's 7680-wide text input. Everything else is the tiny models' own.
+# runs as "flux" with a 3584-wide text input and no pooled vector. Everything else is the tiny
+# model's own.
 VARIANTS = {
     "LongCat-Image": lambda: tiny_flux_patcher(seed=0, context_in_dim=3584, vec_in_dim=None),
-    "FLUX.2 [klein] 4B": lambda: tiny_flux2_patcher(seed=0, context_in_dim=7680),
 }
 
 
@@ -236,7 +235,7 @@ def test_models_that_share_a_familys_image_model_are_refused_by_name(pack, condi
 
     model = VARIANTS[name]()
     message = rf"is {re.escape(name)}, which ComfyUI runs with its FLUX\.\d code; Kontext Trainer trains"
-    layout = "index" if "FLUX.2" in name else "offset"
+    layout = "offset"
     with pytest.raises(ValueError, match=message):
         multi_image(pack, model, conditioning, layout, image(64, 64))
     model_family = importlib.import_module(f"{pack.__name__}.comfy_adapter.model_family")

@@ -15,7 +15,13 @@ from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
 from kt_testing.graphs import cache_name, dataset_inputs, preview_inputs
 from kt_testing.probes import model_output
-from kt_testing.tiny_models import small_flux2_vae, small_flux_vae, tiny_clip, tiny_flux2_patcher
+from kt_testing.tiny_models import (
+    small_flux2_vae,
+    small_flux_vae,
+    tiny_clip,
+    tiny_flux2_patcher,
+    tiny_klein_patcher,
+)
 
 TRAIN = "KontextTrainer_TrainLoRA"
 DATASET = "KontextTrainer_LoadKontextDataset"
@@ -61,9 +67,9 @@ def settings(mods, **overrides):
     return defaults
 
 
-def run_train(mods, dataset, name, resume="none", preview=None, **overrides):
+def run_train(mods, dataset, name, resume="none", preview=None, model=tiny_flux2_patcher, **overrides):
     inputs = {
-        "model": InGraph(lambda: tiny_flux2_patcher(seed=3)),
+        "model": InGraph(lambda: model(seed=3)),
         "dataset": dataset,
         "lora_name": name,
         "overwrite": False,
@@ -116,6 +122,37 @@ def test_trains_flux2_with_previews_writes_its_lora_and_resumes_exactly(mods, da
     assert [c.rsplit("/", 1)[1] for c in choices] == ["step_000002", "step_000004"]
     resumed = run_train(mods, dataset, "kt_flux2_resumed", resume=choices[0], **common).outputs[2]
     assert resumed["loss"] == loss_map["loss"]
+
+
+def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack_import, monkeypatch):
+    """Issue 42 item 1: a FLUX.2 without guidance_in is FLUX.2 [klein] (4B at any width but
+    9B's): TrainLoRA trains it in FLUX.2's index layout, its LoRA's metadata names klein 4B as
+    musubi-tuner does, the run's first line says that ComfyUI cannot tell Base from distilled,
+    and the run resolves the model's entry once (the checks, the estimate, the session, the
+    metadata all use it), where it was looked up six times before."""
+    model_family = pack_import("comfy_adapter.model_family")
+    entries, resolve = [], model_family.entry_for
+
+    def counted(*args, **kwargs):
+        entries.append(resolve(*args, **kwargs))
+        return entries[-1]
+
+    monkeypatch.setattr(model_family, "entry_for", counted)
+    result = run_train(mods, dataset, "kt_klein_run", model=tiny_klein_patcher, layout="auto", steps=2)
+    klein = pack_import("comfy_adapter.families.flux").KLEIN_4B
+    assert entries == [klein]
+    _, _, loss_map = result.outputs[:3]
+    assert len(loss_map["loss"]) == 2 and all(loss == loss for loss in loss_map["loss"])
+    _, metadata = mods.lora_file.load(loras_dir() / "kt_klein_run.safetensors")
+    assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
+    assert metadata["modelspec.architecture"] == "Flux.2-klein-4b/lora"
+    assert metadata["kontext_trainer.base_model"] == "flux2_klein_4b"
+    assert metadata["kontext_trainer.layout"] == "index"
+    messages = [event["message"] for event in result.events("kontext_trainer.progress") if event["message"]]
+    assert messages and messages[0].startswith(
+        "FLUX.2 [klein] 4B: ComfyUI cannot tell a Base file from a distilled one; train on Base "
+        "(flux-2-klein-base-4b.safetensors)"
+    ), messages[0]
 
 
 def test_layout_auto_is_flux2s_own_index_and_resumes_a_run_that_named_it(mods, dataset):

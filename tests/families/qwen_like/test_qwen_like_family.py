@@ -42,7 +42,7 @@ def registered(pack):
     family = family_for(pack)
     families.register(family)
     yield family
-    del families.FAMILIES[IMAGE_MODEL]
+    families.unregister(family)
 
 
 def train(pack, dataset, name: str, resume_from: str = "none", **overrides):
