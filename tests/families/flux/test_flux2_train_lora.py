@@ -6,6 +6,7 @@ a dataset of the other family refused by name; the cache never shared between fa
 from __future__ import annotations
 
 import dataclasses
+import logging
 from pathlib import Path
 
 import pytest
@@ -124,12 +125,13 @@ def test_trains_flux2_with_previews_writes_its_lora_and_resumes_exactly(mods, da
     assert resumed["loss"] == loss_map["loss"]
 
 
-def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack_import, monkeypatch):
+def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack_import, monkeypatch, caplog):
     """Issue 42 item 1: a FLUX.2 without guidance_in is FLUX.2 [klein] (4B at any width but
     9B's): TrainLoRA trains it in FLUX.2's index layout, its LoRA's metadata names klein 4B as
-    musubi-tuner does, the run's first line says that ComfyUI cannot tell Base from distilled,
-    and the run resolves the model's entry once (the checks, the estimate, the session, the
-    metadata all use it), where it was looked up six times before."""
+    musubi-tuner does (and the stock LoraLoader applies every key of it), the run's first line
+    says that ComfyUI cannot tell Base from distilled, and the run resolves the model's entry
+    once (the checks, the estimate, the session, the metadata all use it), where it was looked
+    up six times before."""
     model_family = pack_import("comfy_adapter.model_family")
     entries, resolve = [], model_family.entry_for
 
@@ -141,18 +143,92 @@ def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack
     result = run_train(mods, dataset, "kt_klein_run", model=tiny_klein_patcher, layout="auto", steps=2)
     klein = pack_import("comfy_adapter.families.flux").KLEIN_4B
     assert entries == [klein]
-    _, _, loss_map = result.outputs[:3]
+    trained, name, loss_map = result.outputs[:3]
     assert len(loss_map["loss"]) == 2 and all(loss == loss for loss in loss_map["loss"])
     _, metadata = mods.lora_file.load(loras_dir() / "kt_klein_run.safetensors")
     assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
     assert metadata["modelspec.architecture"] == "Flux.2-klein-4b/lora"
     assert metadata["kontext_trainer.base_model"] == "flux2_klein_4b"
     assert metadata["kontext_trainer.layout"] == "index"
+    # the stock LoraLoader consumes every key: the output MODEL is the base with the file applied
+    with caplog.at_level(logging.WARNING):
+        stock = run_node(
+            "LoraLoaderModelOnly",
+            {"model": InGraph(lambda: tiny_klein_patcher(seed=3)), "lora_name": name, "strength_model": 1.0},
+        ).outputs[0]
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    outputs = [model_output(m, text=(77, 48), pooled=0, channels=128) for m in (trained, stock)]
+    assert torch.equal(outputs[0], outputs[1])
+    diffusers_applies_klein_file(loras_dir() / name, caplog)
     messages = [event["message"] for event in result.events("kontext_trainer.progress") if event["message"]]
     assert messages and messages[0].startswith(
         "FLUX.2 [klein] 4B: ComfyUI cannot tell a Base file from a distilled one; train on Base "
         "(flux-2-klein-base-4b.safetensors)"
     ), messages[0]
+
+
+# Where diffusers' FLUX.2 model has each kohya layer of ComfyUI's (diffusers'
+# `_convert_kohya_flux2_lora_to_diffusers`, read from its source): fused q/k/v split in three.
+DIFFUSERS_FLUX2 = {
+    "double_blocks.{i}.img_attn.qkv": ["transformer_blocks.{i}.attn.to_" + x for x in "qkv"],
+    "double_blocks.{i}.img_attn.proj": ["transformer_blocks.{i}.attn.to_out.0"],
+    "double_blocks.{i}.txt_attn.qkv": ["transformer_blocks.{i}.attn.add_" + x + "_proj" for x in "qkv"],
+    "double_blocks.{i}.txt_attn.proj": ["transformer_blocks.{i}.attn.to_add_out"],
+    "double_blocks.{i}.img_mlp.0": ["transformer_blocks.{i}.ff.linear_in"],
+    "double_blocks.{i}.img_mlp.2": ["transformer_blocks.{i}.ff.linear_out"],
+    "double_blocks.{i}.txt_mlp.0": ["transformer_blocks.{i}.ff_context.linear_in"],
+    "double_blocks.{i}.txt_mlp.2": ["transformer_blocks.{i}.ff_context.linear_out"],
+    "single_blocks.{i}.linear1": ["single_transformer_blocks.{i}.attn.to_qkv_mlp_proj"],
+    "single_blocks.{i}.linear2": ["single_transformer_blocks.{i}.attn.to_out"],
+}
+
+
+def diffusers_applies_klein_file(path: Path, caplog) -> None:
+    """diffusers 0.42.1's `Flux2KleinPipeline` reads the file (its kohya FLUX.2 converter) into a
+    `Flux2Transformer2DModel` of the tiny klein's shape (1 head of 128, 2 + 2 blocks, 48-wide
+    text, no guidance) with no key left over, and each of its LoRA layers adds exactly our
+    (alpha / rank) up @ down, split as its converter splits fused q/k/v."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from trainer_core.lora_file import load as load_lora
+
+    transformer = Flux2Transformer2DModel(
+        num_layers=2,
+        num_single_layers=2,
+        attention_head_dim=128,
+        num_attention_heads=1,
+        joint_attention_dim=48,
+        guidance_embeds=False,
+    )
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="diffusers"):
+        state = Flux2KleinPipeline.lora_state_dict(str(path))
+        Flux2KleinPipeline.load_lora_into_transformer(state, transformer)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "diffusers" in r.name]
+    modules = dict(transformer.named_modules())
+    ours, _ = load_lora(path)
+    kohya = {key.split(".")[0] for key in ours}
+    checked = 0
+    for pattern, places in DIFFUSERS_FLUX2.items():
+        for i in range(2):
+            name = pattern.format(i=i)
+            key = "lora_unet_" + name.replace(".", "_")
+            if key not in kohya:
+                continue
+            down, up = ours[f"{key}.lora_down.weight"].double(), ours[f"{key}.lora_up.weight"].double()
+            expected = float(ours[f"{key}.alpha"]) / down.shape[0] * (up @ down)
+            got = torch.cat([lora_delta(modules[place.format(i=i)]) for place in places])
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-7)
+            kohya.discard(key)
+            checked += 1
+    assert checked and not kohya, sorted(kohya)  # every layer of the file, each where it belongs
+
+
+def lora_delta(layer) -> torch.Tensor:
+    """What a peft LoRA layer adds to its base weight (adapter "default_0", diffusers' name)."""
+    (adapter,) = layer.lora_A.keys()
+    a, b = layer.lora_A[adapter].weight.double(), layer.lora_B[adapter].weight.double()
+    return layer.scaling[adapter] * (b @ a)
 
 
 def test_layout_auto_is_flux2s_own_index_and_resumes_a_run_that_named_it(mods, dataset):
