@@ -160,6 +160,7 @@ def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack
     outputs = [model_output(m, text=(77, 48), pooled=0, channels=128) for m in (trained, stock)]
     assert torch.equal(outputs[0], outputs[1])
     diffusers_applies_klein_file(loras_dir() / name, caplog)
+    start_from_reads_klein_files_of_other_tools(pack_import, mods, loras_dir() / name, trained)
     messages = [event["message"] for event in result.events("kontext_trainer.progress") if event["message"]]
     assert messages and messages[0].startswith(
         "FLUX.2 [klein] 4B: ComfyUI cannot tell a Base file from a distilled one; train on Base "
@@ -222,6 +223,40 @@ def diffusers_applies_klein_file(path: Path, caplog) -> None:
             kohya.discard(key)
             checked += 1
     assert checked and not kohya, sorted(kohya)  # every layer of the file, each where it belongs
+
+
+def start_from_reads_klein_files_of_other_tools(pack_import, mods, path: Path, model) -> None:
+    """`start_from_lora` (`seed_lora`) reads the klein file in the other tools' key formats with
+    the same change on every layer: musubi-tuner's (kohya's, ours), diffusers' (the file as
+    diffusers' own converter gives it: `transformer.` names, q/k/v apart, alpha folded in) and
+    ai-toolkit's (its FLUX.2 models are BFL's own classes, saved as `diffusion_model.<BFL
+    module>.lora_A / lora_B` without alpha: `convert_lora_weights_before_save` in its
+    flux2_model.py)."""
+    from diffusers import Flux2KleinPipeline
+    from safetensors.torch import save_file
+
+    seed_lora = pack_import("application.training_run").seed_lora
+    config = mods.config.TrainConfig(rank=2)
+    modules = seed_lora(path, model, config)
+    ours = {name: module.delta() for name, module in modules.items()}
+    assert len(ours) == 20  # attention_mlp on 2 double and 2 single blocks
+    diffusers = Flux2KleinPipeline.lora_state_dict(str(path))
+    assert all(key.startswith("transformer.") for key in diffusers)
+    ai_toolkit = {}
+    for name, module in modules.items():
+        ai_toolkit[f"diffusion_model.{name}.lora_A.weight"] = module.down
+        ai_toolkit[f"diffusion_model.{name}.lora_B.weight"] = module.up * (module.alpha / module.rank)
+    formats = {"diffusers": diffusers, "ai-toolkit": ai_toolkit}
+    for tool, state in formats.items():
+        other = path.with_name(f"{path.stem}_{tool}.safetensors")
+        save_file({k: v.clone() for k, v in state.items()}, str(other))  # q, k, v share lora_A
+        try:
+            read = seed_lora(other, model, config)
+        finally:
+            other.unlink()
+        assert set(read) == set(ours), tool
+        for name, module in read.items():
+            torch.testing.assert_close(module.delta(), ours[name], rtol=1e-5, atol=1e-7, msg=f"{tool} {name}")
 
 
 def lora_delta(layer) -> torch.Tensor:
