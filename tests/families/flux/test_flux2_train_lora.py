@@ -140,11 +140,25 @@ def test_trains_klein_as_its_own_model_resolved_once_per_run(mods, dataset, pack
         return entries[-1]
 
     monkeypatch.setattr(model_family, "entry_for", counted)
-    result = run_train(mods, dataset, "kt_klein_run", model=tiny_klein_patcher, layout="auto", steps=2)
+    # with what FLUX.2 [dev] trains with: its blocks checkpointed, fp8_scaled, a swapped block
+    common = {
+        "model": tiny_klein_patcher,
+        "layout": "auto",
+        "steps": 2,
+        "gradient_checkpointing": True,
+        "fp8_mode": "fp8_scaled",
+        "blocks_to_swap": 1,
+        "save_every": 1,
+    }
+    result = run_train(mods, dataset, "kt_klein_run", **common)
     klein = pack_import("comfy_adapter.families.flux").KLEIN_4B
     assert entries == [klein]
     trained, name, loss_map = result.outputs[:3]
     assert len(loss_map["loss"]) == 2 and all(loss == loss for loss in loss_map["loss"])
+    # and an exact resume from its first checkpoint
+    (first, _) = [c for c in mods.node.resume_choices() if c.startswith("kt_klein_run/")]
+    resumed = run_train(mods, dataset, "kt_klein_resumed", resume=first, **common)
+    assert resumed.outputs[2]["loss"] == loss_map["loss"]
     _, metadata = mods.lora_file.load(loras_dir() / "kt_klein_run.safetensors")
     assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
     assert metadata["modelspec.architecture"] == "Flux.2-klein-4b/lora"
