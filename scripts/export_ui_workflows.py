@@ -75,6 +75,21 @@ NOTES = {
         "(models/vae). Dataset: input/flux2_demo (two references per sample); previews use "
         "person.png and hat.png."
     ),
+    "flux2_klein_lora_training": (
+        "Train a FLUX.2 [klein] 4B multi-reference LoRA (layout auto: FLUX.2's index). Needs "
+        "ComfyUI 0.33 or newer.\n\nLoad the Base file, not the distilled one (ComfyUI cannot tell "
+        "them apart; LoRAs trained on the distilled file come out weak): "
+        "flux-2-klein-base-4b.safetensors (models/diffusion_models), qwen_3_4b.safetensors "
+        "(models/text_encoders), flux2-vae.safetensors (models/vae); for 9B, its Base file and "
+        "Qwen3-8B. Dataset: input/flux2_demo (the FLUX.2 example's: two references per "
+        "sample); previews use person.png and hat.png, with CFG (Base is not guidance-distilled)."
+    ),
+    "flux2_klein_lora_inference": (
+        "Sample FLUX.2 [klein] 4B Base with the LoRA the klein training example writes "
+        "(flux2_klein_lora) and two references (person.png + hat.png), CFG 4 over 28 steps. Needs "
+        "ComfyUI 0.33 or newer and flux-2-klein-base-4b.safetensors, qwen_3_4b.safetensors, "
+        "flux2-vae.safetensors."
+    ),
     "flux2_lora_inference": (
         "Sample FLUX.2 [dev] with the LoRA the FLUX.2 training example writes (flux2_lora) and two "
         "references (person.png + hat.png).\n\nNeeds FLUX.2 files the demo cannot make: "

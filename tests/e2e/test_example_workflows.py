@@ -319,7 +319,13 @@ MODEL_INPUTS = {
     ("LoraLoaderModelOnly", "lora_name"): "loras",
 }
 # The examples whose models the demo cannot make (real FLUX.2 files, the fp8 Kontext checkpoint).
-NEEDS_REAL_MODELS = {"flux2_lora_training", "flux2_lora_inference", "multi_reference_dreamomni2"}
+NEEDS_REAL_MODELS = {
+    "flux2_lora_training",
+    "flux2_lora_inference",
+    "flux2_klein_lora_training",
+    "flux2_klein_lora_inference",
+    "multi_reference_dreamomni2",
+}
 
 
 def example_inputs(source: dict) -> tuple[list[str], list[str]]:

@@ -9,30 +9,30 @@ from __future__ import annotations
 
 import copy
 import io
-import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from kt_testing.datasets import color_image, write_one_folder
-from kt_testing.paths import REPO_ROOT, TEST_NODE_PACKS, comfyui_root
+from kt_testing.examples import (
+    PYTORCH_ATTENTION,
+    inputs_of,
+    only_id,
+    shipped,
+    succeeded,
+    write_training_inputs,
+)
+from kt_testing.paths import TEST_NODE_PACKS, comfyui_root
 from kt_testing.runs import progress_events
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
-EXAMPLES = REPO_ROOT / "example_workflows" / "api"
-PYTORCH_ATTENTION = ("--use-pytorch-cross-attention",)  # ComfyUI's choice on NVIDIA
 # Each stock loader of the examples -> the test-only node (and seed) that builds its tiny part.
 TINY_STAND_INS = {
     "UNETLoader": ("KTTest_TinyFlux2Model", 3),
     "VAELoader": ("KTTest_SmallFlux2VAE", 1),
     "CLIPLoader": ("KTTest_TinyFlux2TextEncoder", 2),
 }
-
-
-def shipped(name: str) -> dict:
-    return json.loads((EXAMPLES / name).read_text())
 
 
 def with_tiny_loaders(workflow: dict) -> dict:
@@ -47,19 +47,6 @@ def with_tiny_loaders(workflow: dict) -> dict:
             replaced.append(node["class_type"])
     assert sorted(replaced) == sorted(TINY_STAND_INS), replaced  # one of each, no more
     return swapped
-
-
-def only_id(workflow: dict, class_type: str) -> str:
-    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
-    return node_id
-
-
-def inputs_of(workflow: dict, class_type: str) -> dict:
-    return workflow[only_id(workflow, class_type)]["inputs"]
-
-
-def succeeded(messages: list[dict]) -> None:
-    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +70,6 @@ def trained(server):
     write_training_inputs(server, workflow)
     prompt_id, messages = server.run_prompt(workflow, timeout=600)
     return workflow, prompt_id, messages
-
-
-def write_training_inputs(server, workflow: dict) -> None:
-    """The dataset folder the training workflow names (three 64 px samples, two references
-    each) and the images its LoadImage nodes read, in the server's input/."""
-    inputs = server.base_dir / "input"
-    folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
-    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
-    for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
-        color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
 
 
 def test_the_training_example_writes_a_flux2_lora_with_previews(server, trained):

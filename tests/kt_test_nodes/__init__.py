@@ -32,6 +32,7 @@ from kt_testing.dynamic_vram import (  # noqa: E402
     emulate,
     mapped_weights,
 )
+from kt_testing.klein import klein_patcher, klein_text_encoder  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
     small_flux2_vae,
@@ -348,6 +349,21 @@ class LatentDigest:
         latent = samples["samples"].double()
         return {"ui": {"digest": [float(latent.sum()), float(latent.abs().sum())]}}
 
+TinyKleinModel = _builder_node(
+    "MODEL",
+    klein_patcher,
+    3,
+    "Stands in for UNETLoader with a FLUX.2 [klein] file where ComfyUI's own loader cannot build "
+    "one (0.3.75): the tiny klein, built with ComfyUI's classes.",
+)
+TinyKleinTextEncoder = _builder_node(
+    "CLIP",
+    klein_text_encoder,
+    2,
+    "Stands in for CLIPLoader type flux2 with a Qwen3-4B file: a tiny Qwen3 through ComfyUI's klein "
+    "text encoder (0.33), or as Z-Image's text encoder where ComfyUI has no klein one (0.3.75).",
+)
+
 
 NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFluxModel": TinyFluxModel,
@@ -356,6 +372,8 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFlux2Model": TinyFlux2Model,
     "KTTest_SmallFlux2VAE": SmallFlux2VAE,
     "KTTest_TinyFlux2TextEncoder": TinyFlux2TextEncoder,
+    "KTTest_TinyKleinModel": TinyKleinModel,
+    "KTTest_TinyKleinTextEncoder": TinyKleinTextEncoder,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_DiskFull": DiskFull,

@@ -17,36 +17,13 @@ from safetensors.torch import save_file
 
 from kt_testing.executor import InGraph, run_node
 from kt_testing.gradients import randomise_lora, worst_directional_error
+from kt_testing.klein import comfy_has_klein, klein_state, qwen3_clip, z_image_clip
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import TINY_FLUX2_CONFIG, build_flux_model, seeded_init_
 from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
 from trainer_core.token_batch import build_token_batch
 
-# A klein as ComfyUI 0.33's detection reads one: axes 4 x 32, 128 channels per head, MLP ratio
-# 3, no guidance_in; 1 head of 128, two blocks of each kind, text 3 x 16 wide (the tiny Qwen3's).
-KLEIN_CONFIG = {
-    **TINY_FLUX2_CONFIG,
-    "hidden_size": 128,
-    "num_heads": 1,
-    "axes_dim": [32, 32, 32, 32],
-    "context_in_dim": 48,
-    "guidance_embed": False,
-}
-# Qwen3-4B's layout, narrow: ComfyUI's klein_te taps layers 9, 18 and 27 (so at least 28) and its
-# head width is fixed at 128.
-QWEN3_TINY = {
-    "hidden_size": 16,
-    "intermediate_size": 32,
-    "num_hidden_layers": 28,
-    "num_attention_heads": 1,
-    "num_key_value_heads": 1,
-}
 GRID = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)
 REFERENCE_SETS = {1: [(8, 12)], 2: [(8, 8), (6, 10)], 3: [(10, 6), (4, 8), (8, 8)]}
-
-
-def comfy_has_klein() -> bool:
-    return hasattr(importlib.import_module("comfy.text_encoders.flux"), "klein_te")
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +34,7 @@ def klein_file(comfy_runtime, tmp_path_factory):
 
     if not comfy_has_klein():
         pytest.skip("ComfyUI 0.3.75 cannot build a klein (its detection fixes FLUX.2 at 48 heads)")
-    model = build_flux_model(KLEIN_CONFIG, seed=3)
-    state = {key: value.contiguous() for key, value in model.diffusion_model.state_dict().items()}
+    state = klein_state(seed=3)
     assert "guidance_in.in_layer.weight" not in state and "double_stream_modulation_img.lin.weight" in state
     path = tmp_path_factory.mktemp("models") / "kt_tiny_klein.safetensors"
     save_file(state, str(path))
@@ -73,27 +49,6 @@ def klein_file(comfy_runtime, tmp_path_factory):
 @pytest.fixture(scope="module")
 def klein(klein_file):
     return run_node("UNETLoader", {"unet_name": klein_file, "weight_dtype": "default"}).outputs[0]
-
-
-def qwen3_clip(seed: int = 2):
-    """A tiny Qwen3 through ComfyUI's klein_te and KleinTokenizer, as `comfy.sd.load_clip` builds
-    a Qwen3-4B for CLIPLoader type flux2 (its detection reads the width, 2560, so the narrow
-    model is built by the same steps with `qwen3_4b_model_config`), from a file's key names."""
-    import comfy.sd
-    import comfy.supported_models_base
-    import comfy.text_encoders.flux as flux_te
-
-    def target():
-        clip = flux_te.klein_te(dtype_llama=torch.float32, model_type="qwen3_4b")
-        return comfy.supported_models_base.ClipTarget(flux_te.KleinTokenizer, clip)
-
-    options = {"qwen3_4b_model_config": QWEN3_TINY}
-    empty = comfy.sd.CLIP(target(), model_options=options)
-    prefix = "qwen3_4b.transformer."
-    weights = seeded_init_(empty.cond_stage_model, seed).state_dict()
-    file_keys = {key[len(prefix) :]: value for key, value in weights.items() if key.startswith(prefix)}
-    assert "model.layers.27.self_attn.q_norm.weight" in file_keys  # Qwen3's keys, 28 layers
-    return comfy.sd.CLIP(target(), state_dict=[file_keys], model_options=options)
 
 
 def test_the_stock_loaders_give_klein_4b_and_its_text(klein, pack_import):
@@ -174,18 +129,6 @@ def test_lora_gradients_on_klein_equal_finite_differences(klein_file, pack):
             lambda: session.loss(samples, torch.Generator().manual_seed(11)), params
         )
     assert worst < 1e-3, worst
-
-
-def z_image_clip():
-    """A tiny Qwen3 as ComfyUI loads one as Z-Image's text encoder (0.3.75: every Qwen3-4B, for
-    any CLIPLoader type; 0.33: for a type other than flux2)."""
-    import comfy.sd
-    import comfy.supported_models_base
-    import comfy.text_encoders.z_image as z_image
-
-    clip = z_image.te(dtype_llama=torch.float32)
-    target = comfy.supported_models_base.ClipTarget(z_image.ZImageTokenizer, clip)
-    return comfy.sd.CLIP(target, model_options={"qwen3_4b_model_config": QWEN3_TINY})
 
 
 def test_a_qwen3_loaded_as_z_images_encoder_is_refused_naming_the_fix(comfy_runtime, tmp_path):

@@ -1,0 +1,39 @@
+"""The shipped example workflows as the e2e tests queue them: the API-format source, a node's id
+and inputs by type, the end of a run, and the inputs a training example reads."""
+
+from __future__ import annotations
+
+import json
+
+from .datasets import color_image, write_one_folder
+from .paths import REPO_ROOT
+
+EXAMPLES = REPO_ROOT / "example_workflows" / "api"
+PYTORCH_ATTENTION = ("--use-pytorch-cross-attention",)  # ComfyUI's choice on NVIDIA
+
+
+def shipped(name: str) -> dict:
+    return json.loads((EXAMPLES / name).read_text())
+
+
+def only_id(workflow: dict, class_type: str) -> str:
+    (node_id,) = [key for key, node in workflow.items() if node["class_type"] == class_type]
+    return node_id
+
+
+def inputs_of(workflow: dict, class_type: str) -> dict:
+    return workflow[only_id(workflow, class_type)]["inputs"]
+
+
+def succeeded(messages: list[dict]) -> None:
+    assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
+
+
+def write_training_inputs(server, workflow: dict) -> None:
+    """The dataset folder the training workflow names (three 64 px samples, two references
+    each) and the images its LoadImage nodes read, in the server's input/."""
+    inputs = server.base_dir / "input"
+    folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
+    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
+    for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
+        color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])
