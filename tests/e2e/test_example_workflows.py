@@ -234,6 +234,9 @@ def prepare_names(server, paths):
         "diffusion_models/flux2_dev_fp8mixed.safetensors": paths["flux"],
         "text_encoders/mistral_3_small_flux2_bf16.safetensors": paths["clip"],
         "vae/flux2-vae.safetensors": paths["vae"],
+        # FLUX.2 [klein] 4B: the same (its VAE is FLUX.2's)
+        "diffusion_models/flux-2-klein-base-4b.safetensors": paths["flux"],
+        "text_encoders/qwen_3_4b.safetensors": paths["clip"],
     }
     for name, target in stand_ins.items():
         link = models / name
@@ -245,7 +248,7 @@ def prepare_names(server, paths):
         "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(12, 1),
         "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0),
     }
-    for name in ("kontext_demo_lora.safetensors", "flux2_lora.safetensors"):
+    for name in ("kontext_demo_lora.safetensors", "flux2_lora.safetensors", "flux2_klein_lora.safetensors"):
         lora = models / "loras" / name
         if not lora.exists():  # a trained one may be there (test_the_inference_example_runs_as_shipped)
             lora.parent.mkdir(exist_ok=True)
