@@ -52,6 +52,9 @@ def what_is_there(path: Path) -> str:
     return f"is {special_kind(path) or 'not a folder'}"
 
 
+PROBE_NAME = "write_test"  # folder_problem's probe: `.write_test.<hex>.partial` while it exists
+
+
 def folder_problem(folder: Path, create: bool = True) -> str | None:
     """None where `folder` is a folder that takes a file (made first if missing and `create`;
     without `create` its nearest existing parent must take one); else what is wrong, in
@@ -71,7 +74,8 @@ def folder_problem(folder: Path, create: bool = True) -> str | None:
         else:
             probe_in = next(p for p in folder.parents if p.is_dir())
     try:
-        new_temp_file(probe_in / "write_test").unlink()
+        # (missing_ok: a starting run tidies probes a killed process left: `PROBE_NAME`)
+        new_temp_file(probe_in / PROBE_NAME).unlink(missing_ok=True)
     except OSError as error:
         return f"{probe_in} does not take files: {error.strerror or error}"
     return None

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from .atomic import PROBE_NAME
 from .names import LOSS_CHART_SUFFIX, SUFFIX, snapshot_folder_name, snapshot_name
 
 
@@ -53,7 +54,7 @@ def remove_stale_partials(paths: LoraPaths) -> list[Path]:
     name (never visible under a real name, but they take space)."""
     stale = [
         p
-        for name in (paths.lora.name, paths.loss_chart.name)
+        for name in (paths.lora.name, paths.loss_chart.name, PROBE_NAME)  # also a killed folder probe
         for p in paths.loras_dir.glob(f".{glob.escape(name)}.*.partial")
     ]
     if paths.snapshots.is_dir():

@@ -36,3 +36,19 @@ def test_a_crash_mid_snapshot_leaves_a_temp_file_the_next_run_removes(tmp_path):
     partial.write_bytes(b"half")
     assert remove_stale_partials(p) == [partial]
     assert not partial.exists() and p.snapshot(4).exists()
+
+
+def test_a_kill_during_the_folder_probe_leaves_a_probe_the_next_run_removes(tmp_path):
+    """folder_problem's probe (`.write_test.<hex>.partial`, alive for microseconds) outlived a
+    server killed while it existed (tests/e2e/test_training.py caught one, session 27); the next
+    run of any LoRA name removes it, and a probe removed by another run is no error."""
+    from trainer_core.atomic import folder_problem, temp_sibling
+
+    p = paths(tmp_path)
+    p.loras_dir.mkdir(parents=True, exist_ok=True)
+    probe = temp_sibling(p.loras_dir / "write_test")
+    probe.write_bytes(b"")
+    assert probe.name.startswith(".write_test.") and probe.name.endswith(".partial")
+    assert remove_stale_partials(p) == [probe]
+    assert not probe.exists()
+    assert folder_problem(p.loras_dir) is None
