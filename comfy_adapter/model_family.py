@@ -2,7 +2,7 @@
 and the checks made with it before a run or a conditioning node uses the model.
 
 `family_of(model)` is its `families.ModelFamily` entry (or a clear refusal), the one lookup a run
-makes: the run carries what it returns (`PreparedRun.family`); `text_in(base_model)`
+makes: the run carries what it returns (`PreparedRun.family_for`, `Run.family`); `text_in(base_model)`
 turns a cached caption embedding into what sampling hands the model (ComfyUI's own
 `extra_conds`: FLUX.2 pads the text to 512 tokens at the front), so training sees exactly the
 text inference sees.
@@ -22,11 +22,6 @@ def unet_config_of(model) -> dict:
     """What ComfyUI's detection recorded for a MODEL (ModelPatcher): its model config's
     `unet_config` (empty for a model without one)."""
     return getattr(getattr(model.model, "model_config", None), "unet_config", None) or {}
-
-
-def image_model_of(model) -> str | None:
-    """ComfyUI's `image_model` for a MODEL, None for a model without one."""
-    return unet_config_of(model).get("image_model")
 
 
 def family_of(model, what: str = "this MODEL") -> ModelFamily:

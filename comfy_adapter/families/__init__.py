@@ -155,7 +155,7 @@ def unregister(family: ModelFamily) -> None:
 
 
 def trained_models() -> str:
-    """What the pack trains, for messages: e.g. "FLUX.1 (dev, Kontext) and FLUX.2 [dev]"."""
+    """What the pack trains, for messages: "FLUX.1 (dev, Kontext), FLUX.2 [dev], ..."."""
     names = [family.trains for family in _all()]
     return " and ".join([", ".join(names[:-1]), names[-1]]) if len(names) > 1 else names[0]
 

@@ -64,7 +64,7 @@ def qwen3_clip(seed: int = 2):
     return comfy.sd.CLIP(target(), state_dict=[file_keys], model_options=options)
 
 
-def z_image_clip(seed: int = 2):
+def z_image_clip():
     """A tiny Qwen3 as ComfyUI loads one as Z-Image's text encoder (0.3.75: every Qwen3-4B, for
     any CLIPLoader type; 0.33: for a type other than flux2)."""
     import comfy.sd
