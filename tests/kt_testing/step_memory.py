@@ -10,6 +10,9 @@ is ComfyUI's `attention_pytorch` (torch SDPA, what ComfyUI uses on an NVIDIA GPU
 ComfyUI's own per-model override: its CPU default, sub-quadratic attention, keeps every
 chunk of the L x L scores for backward, which a GPU run never does.
 
+`--family klein` measures the tiny FLUX.2 [klein] (`kt_testing.klein.KLEIN_CONFIG`: 128
+latent channels, no pooled text; ComfyUI 0.33 builds it) instead of the tiny FLUX.1.
+
 Prints one JSON object: {"<checkpointing>": {"<latent size>": bytes}}.
 """
 
@@ -21,8 +24,6 @@ import json
 import sys
 import tempfile
 from pathlib import Path
-
-WARM_UP_SIZE = 96  # the largest size first: small-block arenas reach their size once, outside the measurement
 
 
 def _resident(key: str) -> int:
@@ -54,14 +55,17 @@ def _load_pack():
     return sys.modules[pack_path.replace(".", "_x_")]
 
 
-def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
+def measure(sizes: list[int], family: str = "flux") -> dict[str, dict[str, int]]:
     pack = _load_pack()
     import comfy.ldm.modules.attention as attention
     import torch
 
+    from kt_testing.klein import klein_patcher
     from kt_testing.probes import tiny_samples
     from kt_testing.tiny_models import tiny_flux_patcher
 
+    models = {"flux": (tiny_flux_patcher, 16, 32), "klein": (klein_patcher, 128, 0)}
+    patcher, channels, pooled = models[family]
     torch.set_num_threads(1)  # one thread: no per-thread scratch buffers in the figures
     ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
     sample_type = importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
@@ -71,13 +75,16 @@ def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
 
     results = {}
     for checkpointing in (False, True):
-        model = tiny_flux_patcher(seed=1)
+        model = patcher(seed=1)
         model.model_options["transformer_options"]["optimized_attention_override"] = sdpa
         config = ft.TrainConfig(rank=4, alpha=4.0, gradient_checkpointing=checkpointing)
         grown = {}
         with ft.lora_session(model, config) as session:
-            for index, size in enumerate([WARM_UP_SIZE, *sizes]):
-                samples = tiny_samples(sample_type, 1, 4, [], target=(size, size))
+            # the largest size first: small-block arenas reach their size once, outside the measurement
+            for index, size in enumerate([max(sizes), *sizes]):
+                samples = tiny_samples(
+                    sample_type, 1, 4, [], target=(size, size), channels=channels, pooled=pooled
+                )
                 for param in session.lora.parameters():
                     param.grad = None
                 gc.collect()
@@ -91,4 +98,8 @@ def measure(sizes: list[int]) -> dict[str, dict[str, int]]:
 
 
 if __name__ == "__main__":
-    print(json.dumps(measure([int(s) for s in sys.argv[1:]])))
+    arguments = sys.argv[1:]
+    chosen = "flux"
+    if arguments[:1] == ["--family"]:
+        chosen, arguments = arguments[1], arguments[2:]
+    print(json.dumps(measure([int(s) for s in arguments], chosen)))

@@ -49,9 +49,12 @@ def unsupported_variant(
     return None
 
 
-def flux2_shape(hidden: int, double_blocks: int, single_blocks: int, context_dim: int) -> FluxShape:
+def flux2_shape(
+    hidden: int, double_blocks: int, single_blocks: int, context_dim: int, guidance: bool = True
+) -> FluxShape:
     """A FLUX.2 release's shape: 128 latent channels, SiLU-gated MLPs of ratio 3, no biases, no
-    pooled text, model-wide modulation (comfy/model_detection.py, 0.33)."""
+    pooled text, model-wide modulation (comfy/model_detection.py, 0.33); klein has no guidance
+    embedder."""
     return FluxShape(
         hidden=hidden,
         mlp_ratio=3.0,
@@ -63,6 +66,7 @@ def flux2_shape(hidden: int, double_blocks: int, single_blocks: int, context_dim
         gated_mlp=True,
         biases=False,
         global_modulation=True,
+        guidance=guidance,
     )
 
 
@@ -349,7 +353,7 @@ def klein(size: str, hidden: int, blocks: tuple[int, int], text: tuple[str, int]
         base_models=(f"flux2_klein_{size.lower()}",) * 2,
         detects=(("guidance_embed", False), *detects),
         cannot_tell=KLEIN_BASE_OR_DISTILLED.format(title=title, file=file),
-        shape=flux2_shape(hidden, *blocks, context_dim=3 * text[1]),
+        shape=flux2_shape(hidden, *blocks, context_dim=3 * text[1], guidance=False),
     )
 
 

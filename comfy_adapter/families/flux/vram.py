@@ -51,6 +51,7 @@ class FluxShape:
     gated_mlp: bool = False
     biases: bool = True
     global_modulation: bool = False
+    guidance: bool = True  # a guidance embedder (FLUX.1, FLUX.2 [dev]; not FLUX.2 [klein])
 
     @classmethod
     def of(cls, params) -> FluxShape:
@@ -66,6 +67,7 @@ class FluxShape:
             gated_mlp=getattr(params, "mlp_silu_act", False),
             biases=getattr(params, "ops_bias", True),
             global_modulation=getattr(params, "global_modulation", False),
+            guidance=params.guidance_embed,
         )
 
     @property
@@ -114,7 +116,9 @@ class FluxShape:
             pairs += [(self.vec_dim, h), (h, h)]
         if self.global_modulation:
             pairs += [(h, 6 * h), (h, 6 * h), (h, 3 * h)]
-        pairs += [(256, h), (h, h), (h, 2 * h), (h, self.patch_channels)]  # guidance, final
+        if self.guidance:
+            pairs += [(256, h), (h, h)]
+        pairs += [(h, 2 * h), (h, self.patch_channels)]  # the final layer
         return self._weights(pairs)
 
 

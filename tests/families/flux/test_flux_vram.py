@@ -86,6 +86,7 @@ def test_shape_from_comfyui_params():
     class Params:
         hidden_size, mlp_ratio, depth, depth_single_blocks = 3072, 4.0, 19, 38
         in_channels, patch_size, context_in_dim, vec_in_dim = 16, 2, 4096, 768
+        guidance_embed = True
 
     assert vram.FluxShape.of(Params) == flux()
 
@@ -113,3 +114,18 @@ def test_the_estimate_counts_the_optimizers_state():
     # fp32 weight + gradient (8 bytes) + the state: 16 bytes a value with AdamW, 8.25 with Adafactor
     assert adafactor.lora == pytest.approx(adamw.lora * (8 + 4 / 16) / 16)
     assert adamw.weights == adafactor.weights and adamw.activations == adafactor.activations
+
+
+def test_each_releases_shape_adds_up_to_its_published_size(pack_import):
+    """The full-size shapes the registry carries (what the estimate of a real file uses) against
+    the sizes their releases are named by: FLUX.1 11.9B, FLUX.2 [dev] 32B, klein 4B and 9B
+    (counted: 11.90, 32.22, 3.88, 9.08). A klein with [dev]'s block counts (8 + 48) counts 6.6B,
+    one with a guidance embedder 10M more (the weight count of ComfyUI's own tiny klein catches
+    that: tests/comfy_adapter/test_vram_measured.py)."""
+    flux = pack_import("comfy_adapter.families.flux")
+    published = {flux.FLUX1: 11.9e9, flux.FLUX2: 32e9, flux.KLEIN_4B: 4e9, flux.KLEIN_9B: 9e9}
+    for entry, size in published.items():
+        shape = entry.shape
+        total = shape.double_blocks * shape.double_block_weights()
+        total += shape.single_blocks * shape.single_block_weights() + shape.other_weights()
+        assert total == pytest.approx(size, rel=0.04), entry.title
