@@ -57,14 +57,15 @@ class GpuRun:
 
 # -- models and probes ------------------------------------------------------------------------
 def cpu_patcher(seed: int, dtype=None, manual_cast_dtype=None, family: str = "flux", **overrides):
-    """A tiny Flux (or FLUX.2) MODEL that ComfyUI loads onto the CPU whatever device it runs
-    on: the reference computation (fp32 on the CPU, as the CPU layers test it)."""
+    """A tiny Flux (`family`: flux, flux2 or klein) MODEL that ComfyUI loads onto the CPU whatever
+    device it runs on: the reference computation (fp32 on the CPU, as the CPU layers test it)."""
     import comfy.model_patcher
     import torch
 
+    from kt_testing.klein import KLEIN_CONFIG
     from kt_testing.tiny_models import TINY_FLUX2_CONFIG, TINY_FLUX_CONFIG, build_flux_model
 
-    config = {"flux": TINY_FLUX_CONFIG, "flux2": TINY_FLUX2_CONFIG}[family]
+    config = {"flux": TINY_FLUX_CONFIG, "flux2": TINY_FLUX2_CONFIG, "klein": KLEIN_CONFIG}[family]
     model = build_flux_model({**config, **overrides}, seed, dtype or torch.float32, manual_cast_dtype)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)

@@ -38,18 +38,27 @@ def bf16_config(mods, **overrides):
     return mods.ft.TrainConfig(**{**settings, **overrides})
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "klein"])
 def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     """The same LoRA values, samples and draws: loss, gradients and the first optimizer step's
     loss of a bf16 model on the GPU against the fp32 model on the CPU; then the step leaves a
     finite, changed LoRA on the GPU and the MODEL exactly as loaded. FLUX.2 too (its index
-    layout, 128-channel latents, no pooled text)."""
+    layout, 128-channel latents, no pooled text), and FLUX.2 [klein] (issue 42: no guidance
+    embedder, one head of 128; ComfyUI 0.33 or newer)."""
+    import dataclasses
+
     import torch
 
+    from kt_testing.klein import comfy_has_klein, klein_patcher
     from kt_testing.probes import tiny_samples
     from kt_testing.tiny_models import TINY_FAMILIES
 
-    tiny = TINY_FAMILIES[family]
+    if family == "klein":
+        if not comfy_has_klein():
+            pytest.skip("ComfyUI 0.3.75 cannot build FLUX.2 [klein]")
+        tiny = dataclasses.replace(TINY_FAMILIES["flux2"], patcher=klein_patcher)
+    else:
+        tiny = TINY_FAMILIES[family]
     samples = tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)], channels=tiny.channels, pooled=tiny.pooled)
     config = bf16_config(mods, layout=tiny.layout)
     probe = {"channels": tiny.channels, "pooled": tiny.pooled}

@@ -82,9 +82,9 @@ def klein_text_encoder(seed: int = 2):
     return qwen3_clip(seed) if comfy_has_klein() else z_image_clip()
 
 
-def klein_patcher(seed: int = 3):
+def klein_patcher(seed: int = 3, dtype: torch.dtype = torch.float32):
     """A MODEL around the tiny klein built with ComfyUI's classes (as the UNETLoader of 0.33
-    loads its file; ComfyUI 0.3.75's own loader cannot build one)."""
+    loads its file; ComfyUI 0.3.75's own loader cannot build one), its weights in `dtype`."""
     from .tiny_models import flux_patcher
 
-    return flux_patcher(build_flux_model(KLEIN_CONFIG, seed=seed))
+    return flux_patcher(build_flux_model(KLEIN_CONFIG, seed=seed, dtype=dtype))
