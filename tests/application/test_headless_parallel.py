@@ -19,12 +19,13 @@ import time
 
 import psutil
 import pytest
-import torch
 
 from comfy_server import free_port
 from kt_testing.datasets import write_one_folder
 from kt_testing.headless import (
+    DRAWS,
     PROGRESS,
+    assert_same_run,
     checkpoints,
     command,
     environment,
@@ -38,11 +39,6 @@ from kt_testing.paths import REPO_ROOT
 pytestmark = pytest.mark.version_independent  # runs on ComfyUI 0.33 only in `make test`
 
 STEPS = 6
-# every random draw a step makes belongs to the global sample (issue 32: with LoRA dropout on,
-# 2 processes x batch 1 and 1 process x batch 2 differed by 6 x the learning rate): LoRA
-# dropout's masks, caption and reference dropout, input-noise gamma, besides each sample's
-# timestep and noise
-DRAWS = {"dropout": 0.1, "caption_dropout": 0.3, "reference_dropout": 0.3, "ip_noise_gamma": 0.1}
 
 
 @pytest.fixture(scope="module")
@@ -74,24 +70,12 @@ def single(files):
     return final_state(checkpoints(files.base, "single")[-1])
 
 
-def assert_same_run(files, name: str, single) -> None:
-    losses, lora = final_state(checkpoints(files.base, name)[-1])
-    expected_losses, expected_lora = single
-    assert len(losses) == STEPS
-    assert losses == pytest.approx(expected_losses, rel=1e-5)
-    assert lora.keys() == expected_lora.keys()
-    for key, value in expected_lora.items():
-        torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5)
-    # the update did something: the trained up-projections are no longer zero
-    assert any(float(v.abs().max()) > 0 for k, v in lora.items() if k.endswith("lora_up.weight"))
-
-
 def test_two_processes_train_what_one_trains_with_twice_the_batch(files, single):
     result = run(torchrun(files.config("ranks2"), 2, "--standalone"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "data parallel: 2 processes, global batch 2 x 1" in result.stdout
     assert result.stdout.count("LoRA saved:") == 1  # rank 0 writes and prints
-    assert_same_run(files, "ranks2", single)
+    assert_same_run(files.base, "ranks2", single, STEPS)
     rng = checkpoints(files.base, "ranks2")[-1] / "rng.safetensors"
     from safetensors.torch import load_file
 
@@ -120,7 +104,7 @@ def test_two_machines_over_a_loopback_rendezvous(files, single):
     outputs = [launcher.communicate(timeout=300)[0] for launcher in launchers]
     assert [launcher.returncode for launcher in launchers] == [0, 0], "\n".join(outputs)
     assert "data parallel: 2 processes" in outputs[0]
-    assert_same_run(files, "nodes2", single)
+    assert_same_run(files.base, "nodes2", single, STEPS)
 
 
 def test_a_dead_process_stops_the_other_with_a_message(files):

@@ -18,6 +18,10 @@ TINY_COMMAND = REPO / "tests" / "kt_testing" / "headless_tiny.py"
 # small and quick; every value is a TrainLoRA / LoadKontextDataset one
 TRAIN = {"steps": 6, "rank": 2, "alpha": 2.0, "learning_rate": 1e-3, "gradient_checkpointing": False}
 DATASET = {"resolution": 128, "reference_resolution": 128, "min_size": 0}
+# Every random draw a step makes belongs to the global sample (issue 32: with LoRA dropout on, 2
+# processes x batch 1 and 1 process x batch 2 differed by 6 x the learning rate): LoRA dropout's
+# masks, caption and reference dropout, input-noise gamma, besides each sample's timestep and noise
+DRAWS = {"dropout": 0.1, "caption_dropout": 0.3, "reference_dropout": 0.3, "ip_noise_gamma": 0.1}
 # what the command prints once ComfyUI's runtime is up (comfy_boot.loading_mode), before any model
 BOOT_LINE = "[kontext-trainer] dynamic VRAM "
 
@@ -102,9 +106,16 @@ def torchrun(config: Path, nproc: int, *launcher: str) -> list[str]:
     ]
 
 
-def run(args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+def run(args: list[str], timeout: float = 300, env: dict | None = None) -> subprocess.CompletedProcess:
+    """`args` run to the end; `env`: variables beside `environment()`'s."""
     return subprocess.run(
-        args, cwd=REPO, env=environment(), capture_output=True, text=True, timeout=timeout, check=False
+        args,
+        cwd=REPO,
+        env={**environment(), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
     )
 
 
@@ -118,3 +129,20 @@ def final_state(checkpoint: Path) -> tuple[list[float], dict]:
     """(losses, LoRA tensors in float32) of a checkpoint."""
     state = json.loads((checkpoint / "state.json").read_text())
     return state["losses"], load_file(str(checkpoint / "lora.safetensors"))
+
+
+def assert_same_run(base: Path, name: str, single: tuple[list[float], dict], steps: int) -> None:
+    """The last checkpoint of run `name` holds `single`'s losses and LoRA (`final_state` of the
+    one-process run), to float32 rounding, after `steps` steps that changed the LoRA."""
+    import pytest
+    import torch
+
+    losses, lora = final_state(checkpoints(base, name)[-1])
+    expected_losses, expected_lora = single
+    assert len(losses) == steps
+    assert losses == pytest.approx(expected_losses, rel=1e-5)
+    assert lora.keys() == expected_lora.keys()
+    for key, value in expected_lora.items():
+        torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5)
+    # the update did something: the trained up-projections are no longer zero
+    assert any(float(v.abs().max()) > 0 for k, v in lora.items() if k.endswith("lora_up.weight"))
