@@ -6,17 +6,26 @@ encoder: ComfyUI's CLIPLoader detects a Qwen3-4B by its 2560 width) and the VAE 
 It writes a klein LoRA with previews, and the inference example
 (`api/flux2_klein_lora_inference.json`) applies it. On ComfyUI 0.3.75, whose own UNETLoader cannot
 build a klein, the model is a stand-in too, the text encoder is what 0.3.75 loads a Qwen3 as
-(Z-Image's), and the run stops at LoadKontextDataset naming ComfyUI 0.33."""
+(Z-Image's), and the run stops at LoadKontextDataset naming ComfyUI 0.33.
+
+Issue 42 item 3, on ComfyUI 0.33 with its dynamic VRAM (its default on NVIDIA, emulated on the
+CPU: kt_testing/dynamic_vram.py): a second server trains the example (cut to 3 steps) on the
+stock UNETLoader's memory-mapped klein weights and writes the plain server's LoRA bit for bit,
+the MODEL still holding the file's memory afterwards; and it trains on a klein fp8 file, every
+block Linear quantized by ComfyUI's own code in its per-layer `comfy_quant` form
+(kt_testing/quantized_files.py)."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 
 import numpy as np
 import pytest
 from PIL import Image
 from safetensors.torch import save_file
 
+from kt_testing.dynamic_vram import EMULATION_MARK, comfyui_has_dynamic_vram, server_env
 from kt_testing.examples import (
     PYTORCH_ATTENTION,
     inputs_of,
@@ -32,6 +41,8 @@ from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
 TRAINING, INFERENCE = "flux2_klein_lora_training.json", "flux2_klein_lora_inference.json"
+QUANTIZED = "flux-2-klein-base-4b-fp8.safetensors"  # the tiny klein, its block Linears in fp8
+PROBES = itertools.count(1)
 
 
 def runs_klein() -> bool:
@@ -127,3 +138,72 @@ def test_the_klein_inference_example_applies_the_trained_lora(server, trained):
     latent = inputs_of(shipped(INFERENCE), "EmptyFlux2LatentImage")
     assert with_lora.shape == (latent["height"], latent["width"], 3)
     assert np.abs(with_lora - run_inference(server, 0.0)).max() > 0  # the LoRA changes the image
+
+
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory, comfy_runtime):
+    """A server with ComfyUI's dynamic VRAM emulated, the tiny klein file under its shipped name
+    and in ComfyUI's fp8 form beside it (0.33; 0.3.75 has neither dynamic VRAM nor klein)."""
+    from kt_testing.quantized_files import write_quantized_file
+
+    if not (runs_klein() and comfyui_has_dynamic_vram()):
+        pytest.skip("ComfyUI 0.3.75 has no dynamic VRAM and cannot load FLUX.2 [klein]")
+    base = tmp_path_factory.mktemp("klein-dynamic")
+    models = base / "models" / "diffusion_models"
+    models.mkdir(parents=True)
+    state = klein_state(seed=3)
+    save_file(state, str(models / inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"]))
+    write_quantized_file(models / QUANTIZED, state, "comfy_quant")
+    env = server_env()
+    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, args=PYTORCH_ATTENTION, env=env) as running:
+        assert EMULATION_MARK in running.log()
+        yield running
+
+
+def short_run(server, lora_name: str, steps: int, unet_name: str | None = None) -> tuple[dict, list]:
+    """The training example cut to `steps` steps without previews, snapshots or a held-out
+    loss, its TrainLoRA's MODEL probed afterwards (KTTest_MappedWeights); returns that probe's
+    report and the run's messages."""
+    workflow = with_stand_ins(shipped(TRAINING))
+    train_id = only_id(workflow, "KontextTrainer_TrainLoRA")
+    train = workflow[train_id]["inputs"]
+    train.update(lora_name=lora_name, steps=steps, save_every=0, validate_every=0)
+    del train["preview"]
+    if unet_name is not None:
+        inputs_of(workflow, "UNETLoader")["unet_name"] = unet_name
+    probe = {"model": [train_id, 0], "nonce": next(PROBES)}  # a fresh probe each run
+    workflow["kt_mapped"] = {"class_type": "KTTest_MappedWeights", "inputs": probe}
+    write_training_inputs(server, workflow)
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    succeeded(messages)
+    held = server.history(prompt_id)["outputs"]["kt_mapped"]
+    return {key: value[0] for key, value in held.items()}, messages
+
+
+def test_dynamic_vram_trains_klein_on_the_mapped_file_as_the_plain_server(server, dynamic):
+    """A run that copied the mapped weights (70adb75 to ecd75f4, issue 30) leaves the probe
+    seeing the copy (`mapped` below `large`)."""
+    held, _ = short_run(dynamic, "klein_dynamic", steps=3)
+    assert held["dynamic"] and held["large"] > 0 and held["mapped"] == held["large"], held
+    assert "cast contract on: ComfyUI's dynamic VRAM casts streamed layers" in dynamic.log()
+    plain, _ = short_run(server, "klein_dynamic", steps=3)
+    assert not plain["dynamic"] and plain["mapped"] == 0, plain
+    ours, _ = load(dynamic.base_dir / "models" / "loras" / "klein_dynamic.safetensors")
+    reference, _ = load(server.base_dir / "models" / "loras" / "klein_dynamic.safetensors")
+    assert ours.keys() == reference.keys()
+    assert all(np.array_equal(ours[key].float().numpy(), reference[key].float().numpy()) for key in ours)
+    assert any(float(value.abs().max()) > 0 for key, value in ours.items() if key.endswith("lora_up.weight"))
+
+
+def test_klein_trains_on_its_quantized_file_under_dynamic_vram(dynamic):
+    """The fp8 file through the stock UNETLoader: ComfyUI's quantized Linear in every block (on
+    70adb75 such a MODEL had "no layers to train"), klein resolved from it, the LoRA on the
+    quantized layers and the base recorded as fp8, as sd-scripts records it."""
+    _, messages = short_run(dynamic, "klein_fp8", steps=2, unet_name=QUANTIZED)
+    first = next(e["message"] for e in progress_events(messages) if e["message"])
+    assert first.startswith("FLUX.2 [klein] 4B: ComfyUI cannot tell a Base file"), first
+    tensors, metadata = load(dynamic.base_dir / "models" / "loras" / "klein_fp8.safetensors")
+    assert "lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight" in tensors
+    assert "lora_unet_single_blocks_0_linear1.lora_down.weight" in tensors
+    assert metadata["ss_base_model_version"] == "flux_2_klein_4b"
+    assert metadata["ss_sd_model_name"] == QUANTIZED and metadata["ss_fp8_base"] == "True"
