@@ -33,14 +33,15 @@ def _resident(key: str) -> int:
     raise RuntimeError(f"no {key} in /proc/self/status")
 
 
-def _load_pack():
+def _load_pack(root: Path):
     """ComfyUI's modules and the pack through ComfyUI's own `load_custom_node`, without the
-    built-in extra nodes (a full `comfy_runtime.boot` takes several times longer)."""
+    built-in extra nodes (a full `comfy_runtime.boot` takes several times longer); ComfyUI's
+    base directory in `root`."""
     from kt_testing.comfy_runtime import run_sync
     from kt_testing.paths import PACK_DIR_NAME, comfyui_root, make_base_directory
 
     sys.path.insert(0, str(comfyui_root()))
-    base_dir = make_base_directory(Path(tempfile.mkdtemp(prefix="kt-step-memory-")))
+    base_dir = make_base_directory(root)
     from comfy.cli_args import args
 
     args.cpu, args.base_directory = True, str(base_dir)
@@ -55,8 +56,8 @@ def _load_pack():
     return sys.modules[pack_path.replace(".", "_x_")]
 
 
-def measure(sizes: list[int], family: str = "flux") -> dict[str, dict[str, int]]:
-    pack = _load_pack()
+def measure(root: Path, sizes: list[int], family: str = "flux") -> dict[str, dict[str, int]]:
+    pack = _load_pack(root)
     import comfy.ldm.modules.attention as attention
     import torch
 
@@ -102,4 +103,5 @@ if __name__ == "__main__":
     chosen = "flux"
     if arguments[:1] == ["--family"]:
         chosen, arguments = arguments[1], arguments[2:]
-    print(json.dumps(measure([int(s) for s in arguments], chosen)))
+    with tempfile.TemporaryDirectory(prefix="kt-step-memory-") as folder:
+        print(json.dumps(measure(Path(folder), [int(s) for s in arguments], chosen)))
