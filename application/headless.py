@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from ..comfy_adapter.comfy_loading import as_after_a_node
+from ..comfy_adapter.model_view import load_device
 from ..trainer_core import distributed
 from ..trainer_core.atomic import write_atomic
 from ..trainer_core.choices import JobStatus
@@ -306,7 +307,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
         say("loading the model files with ComfyUI's loaders", rank)
         model, vae, clip = load_models(config.model)
         as_after_a_node()  # the loaders' nodes end here in a workflow
-        say(f"training on {model.load_device}", rank)
+        say(f"training on {load_device(model)}", rank)
         dataset, report = in_section(
             "dataset", lambda: prepare_dataset(vae, clip, config, collective, checked)
         )

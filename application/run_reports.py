@@ -20,6 +20,7 @@ from safetensors import SafetensorError
 from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.lora_session import LoraSession
 from ..comfy_adapter.model_family import vram_estimate
+from ..comfy_adapter.model_view import stored_bytes
 from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
 from ..trainer_core.atomic import ensure_folder
 from ..trainer_core.checkpoint import Checkpoint, lineage, new_run_folder, prune, save_checkpoint, step_of
@@ -36,7 +37,7 @@ from ..trainer_core.run_files import (
     snapshot_steps,
 )
 from ..trainer_core.validation import VALIDATION_SIGMAS
-from ..trainer_core.vram import Estimate, module_weight_bytes
+from ..trainer_core.vram import Estimate
 
 if TYPE_CHECKING:  # training_run imports this module
     from .training_run import Run
@@ -289,7 +290,7 @@ def announce_estimate(
     """The VRAM estimate, logged and kept on every step's progress message, after `resume_notes`
     (what a resume changed: already logged) and before what dynamic VRAM changes."""
     estimate = vram_estimate(model, dataset, config, family)
-    weights = module_weight_bytes(model.model.diffusion_model)
+    weights = stored_bytes(model)
     LOGGER.info(
         "TrainLoRA %s: %s; transformer weights %.2f GiB as stored", paths.stem, estimate, weights / 2**30
     )

@@ -24,6 +24,7 @@ from pathlib import Path
 
 from ..comfy_adapter.comfy_quantized import check_quantized_model
 from ..comfy_adapter.model_family import check_model_fits, family_of
+from ..comfy_adapter.model_view import diffusion_module
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.checkpoint import read_state
 from ..trainer_core.config import TrainConfig
@@ -87,7 +88,7 @@ class PreparedRun:
         the resume check, the run, the LoRA's metadata."""
         family = self.family_for(model)
         if self.config.layout == "auto":
-            layout = family.resolve_layout("auto", model.model.diffusion_model)
+            layout = family.resolve_layout("auto", diffusion_module(model))
             self.request = dataclasses.replace(
                 self.request, config=dataclasses.replace(self.config, layout=layout)
             )

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from ..comfy_adapter.cast_contract import linear_names
 from ..comfy_adapter.comfy_loading import interrupted_error
-from ..comfy_adapter.comfy_quantized import base_record, weight_formats
+from ..comfy_adapter.comfy_quantized import base_record
 from ..comfy_adapter.families import ModelFamily
 from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
+from ..comfy_adapter.model_view import compute_dtype, latent_in, layer_names, layer_shapes, stored_formats
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.atomic import NameTaken
 from ..trainer_core.checkpoint import load_checkpoint
@@ -109,10 +109,7 @@ def seed_lora(
 ) -> dict[str, LoraModule]:
     """The modules of a LoRA file a new run starts from (`start_from_lora`), checked against
     this model's layers and the rank widget (`family`: the model's entry, when resolved)."""
-    diffusion_model = model.model.diffusion_model
-    names = linear_names(diffusion_model)
-    modules = dict(diffusion_model.named_modules())
-    shapes = {name: (modules[name].out_features, modules[name].in_features) for name in names}
+    names, shapes = layer_names(model), layer_shapes(model)
     places = (family or family_of(model)).diffusers_places(names)
     return read_seed_lora(path, names, config.rank, shapes, places)
 
@@ -122,7 +119,7 @@ class SampleCache:
     with the text as sampling hands it to the model (`model_family.text_in`)."""
 
     def __init__(self, dataset: KontextDataset, model):
-        self.dataset, self.latent_in = dataset, model.model.process_latent_in
+        self.dataset, self.latent_in = dataset, latent_in(model)
         self.text_in = text_in(model.model)
         self._training: dict[int, Sample] = {}
 
@@ -175,7 +172,7 @@ class TrainingRun:
             raise ValueError("the dataset has no training samples (all held out?)")
         if self.writes:
             remove_stale_partials(paths)
-        layers = linear_names(self.model.model.diffusion_model)
+        layers = layer_names(self.model)
         self.resume = resume = load_checkpoint(run.resume, layers) if run.resume is not None else None
         seeded = seed_lora(run.start_from, self.model, config, self.family) if run.start_from else None
         self.initial = resume.lora if resume else seeded
@@ -221,7 +218,7 @@ class TrainingRun:
             started_at=time.time(),
             session_id=secrets.randbits(31),
             names=family.names,
-            base_weights=weight_formats(model.model.diffusion_model),
+            base_weights=stored_formats(model),
             **dataset_facts(dataset),
             processes=run.world_size,
             mixed_precision=mixed_precision(model),
@@ -439,9 +436,7 @@ def dataset_facts(dataset: KontextDataset) -> dict:
 
 def mixed_precision(model) -> str:
     """The dtype ComfyUI computes the model in, as sd-scripts' ss_mixed_precision names it."""
-    base = model.model
-    dtype = getattr(base, "manual_cast_dtype", None) or base.get_dtype()
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "no")
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(compute_dtype(model), "no")
 
 
 def aside_note(aside: Path | None) -> str:

@@ -16,6 +16,7 @@ from comfy_api.latest import io
 from ..application.node_ids import node_id
 from ..comfy_adapter.families import layouts_by_family, trained_models
 from ..comfy_adapter.model_family import check_layout_fits
+from ..comfy_adapter.model_view import diffusion_module
 from ..trainer_core.position_ids import LAYOUTS, check_layout
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
 
@@ -136,7 +137,7 @@ class MultiImageConditioning(io.ComfyNode):
             check_layout(layout)  # a name no layout has, before whether it fits the model
         family = check_layout_fits(model, layout, "MultiImageConditioning's model")
         # auto: the model's own (ComfyUI's default for it), set on the conditioning by name
-        layout = family.resolve_layout(layout, model.model.diffusion_model)
+        layout = family.resolve_layout(layout, diffusion_module(model))
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]
         if not images:
             raise ValueError("MultiImageConditioning needs at least one reference image on image_1")

@@ -122,6 +122,53 @@ def test_every_import_points_down_and_only_the_adapter_and_nodes_touch_comfyui()
     assert violations() == []
 
 
+# What only ComfyUI's MODEL (ModelPatcher, BaseModel) has: `nodes/` and `application/` read these
+# through `comfy_adapter/model_view.py` (issue 43 item 1), never themselves.
+MODEL_INTERNALS = {
+    "process_latent_in",
+    "manual_cast_dtype",
+    "get_dtype",
+    "load_device",
+    "offload_device",
+    "model_options",
+    "model_sampling",
+    "latent_format",
+    "model_config",
+}
+
+
+def model_reads(root: Path = REPO) -> list[str]:
+    """Each place in nodes/ and application/ that reads a MODEL's internals: a name of
+    MODEL_INTERNALS, or `<patcher>.model.diffusion_model` (a run config's `config.model`, the
+    [model] section, is no MODEL)."""
+    found = []
+    for layer in ("nodes", "application"):
+        for path in sorted((root / layer).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.Attribute):
+                    continue
+                inner = node.value
+                reaches = node.attr == "diffusion_model" and isinstance(inner, ast.Attribute)
+                reaches = reaches and inner.attr == "model" and ast.unparse(inner.value) != "config"
+                if node.attr in MODEL_INTERNALS or reaches:
+                    found.append(f"{path.relative_to(root).as_posix()}:{node.lineno} reads .{node.attr}")
+    return found
+
+
+def test_the_application_and_the_nodes_read_a_model_only_through_the_adapter(tmp_path):
+    files = {
+        "application/reads.py": "def f(model):\n    return model.model.diffusion_model\n",
+        "nodes/device.py": "def f(model):\n    return model.load_device\n",
+        "application/fine.py": "def f(config, r):\n    return config.model.diffusion_model, r.load\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    reported = sorted({line.split(":")[0] for line in model_reads(tmp_path)})
+    assert reported == ["application/reads.py", "nodes/device.py"]
+    assert model_reads() == []
+
+
 def test_trainer_core_imports_no_comfyui_at_run_time():
     """Every trainer_core module imported in a fresh interpreter that could import ComfyUI:
     afterwards no module of ComfyUI is loaded."""

@@ -1,0 +1,59 @@
+"""What the application and the nodes read of a ComfyUI MODEL (a `ModelPatcher`), and the one
+place that reads it: its layers, how they are stored, the dtype ComfyUI computes it in, its load
+device, and its latent format's scaling. `application/` and `nodes/` go through these (issue 43
+item 1: a family whose MODEL is built otherwise changes this module, not them;
+`tests/test_layers.py` checks that they do not reach into the MODEL themselves).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..trainer_core.vram import module_weight_bytes
+from .cast_contract import linear_names
+from .comfy_quantized import weight_formats
+
+
+def diffusion_module(model) -> torch.nn.Module:
+    """ComfyUI's diffusion model inside the MODEL (the module the LoRA's layers are in)."""
+    return model.model.diffusion_model
+
+
+def layer_names(model) -> list[str]:
+    """Every Linear of the diffusion model a LoRA can adapt, by its module name."""
+    return linear_names(diffusion_module(model))
+
+
+def layer_shapes(model) -> dict[str, tuple[int, int]]:
+    """(out, in) features of each of `layer_names`."""
+    modules = dict(diffusion_module(model).named_modules())
+    return {name: (modules[name].out_features, modules[name].in_features) for name in layer_names(model)}
+
+
+def stored_formats(model) -> dict[str, dict[str, int]]:
+    """How the loader stored the layers' weights (`comfy_quantized.weight_formats`)."""
+    return weight_formats(diffusion_module(model))
+
+
+def stored_bytes(model) -> int:
+    """The bytes the diffusion model's weights take as stored."""
+    return module_weight_bytes(diffusion_module(model))
+
+
+def compute_dtype(model) -> torch.dtype:
+    """The dtype ComfyUI computes the model in: its manual-cast dtype, else its weights'."""
+    base = model.model
+    return getattr(base, "manual_cast_dtype", None) or base.get_dtype()
+
+
+def load_device(model) -> torch.device:
+    """Where ComfyUI loads the model to run it."""
+    return model.load_device
+
+
+def latent_in(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The model's latent format going in (ComfyUI's `process_latent_in`): what sampling does to
+    a VAE latent before the model sees it."""
+    return model.model.process_latent_in
