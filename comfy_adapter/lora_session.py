@@ -148,6 +148,7 @@ class LoraSession:
             self.grid,
             rows,
             self.noise_scaling,
+            self.family.token_shift,
         )
 
 

@@ -20,7 +20,7 @@ from .choices import (
     choose,
 )
 from .limits import check_number
-from .objective import SigmaSampler
+from .objective import TOKEN_SHIFT_POINTS, SigmaSampler, TokenShift
 
 
 def knob(default, choices: type[Choice] | None = None, must_match: bool = False, **limits):
@@ -105,7 +105,7 @@ class TrainConfig:
             )
         self.sigma_sampler()
 
-    def sigma_sampler(self) -> SigmaSampler:
-        return SigmaSampler(
-            self.timestep_sampler, self.logit_mean, self.logit_std, self.sigmoid_scale, self.shift
-        )
+    def sigma_sampler(self, token_shift: TokenShift = TOKEN_SHIFT_POINTS) -> SigmaSampler:
+        """The timestep sampler; `token_shift`: the model family's points for flux_shift."""
+        settings = (self.timestep_sampler, self.logit_mean, self.logit_std, self.sigmoid_scale, self.shift)
+        return SigmaSampler(*settings, token_shift)

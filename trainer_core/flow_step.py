@@ -15,7 +15,9 @@ import torch
 from .config import TrainConfig
 from .lora_dropout import micro_batch_key, seed_rows
 from .objective import (
+    TOKEN_SHIFT_POINTS,
     NoiseScaling,
+    TokenShift,
     apply_caption_dropout,
     caption_dropout_mask,
     loss_weights,
@@ -79,8 +81,10 @@ def flow_matching_loss(
     grid: TokenGrid = DEFAULT_GRID,
     rows: slice | None = None,
     noise_scaling: NoiseScaling | None = None,
+    token_shift: TokenShift = TOKEN_SHIFT_POINTS,
 ) -> torch.Tensor:
-    """The batch's mean weighted loss (`noise_scaling`: the model's, see `noisy_input`). `rows`
+    """The batch's mean weighted loss (`noise_scaling`: the model's, see `noisy_input`;
+    `token_shift`: the model family's points for the flux_shift sampler). `rows`
     (data parallel, see `distributed`): `samples` is the global batch and this process trains
     only these rows. Every random draw is still made
     for the whole global batch (so each sample gets the draws it gets in one process) and the
@@ -95,8 +99,9 @@ def flow_matching_loss(
         [s.target for s in samples], [s.references for s in samples], config.layout, grid
     )
     batch, device = len(samples), clean.tokens.device
-    # 2) one sigma per sample (Flux's shift depends on each sample's own target token count)
-    sigma = sample_sigmas(config.sigma_sampler(), batch, generator, clean.target.sum(dim=1).cpu())
+    # 2) one sigma per sample (the token shift depends on each sample's own target token count)
+    sampler = config.sigma_sampler(token_shift)
+    sigma = sample_sigmas(sampler, batch, generator, clean.target.sum(dim=1).cpu())
     # 3) noise only the target tokens: x_t = (1 - s) x0 + s (noise + gamma * perturbation)
     noise = torch.randn(clean.tokens.shape, generator=generator).to(device, clean.tokens.dtype)
     perturbation = None

@@ -19,9 +19,13 @@ from .choices import LossWeighting, TimestepSampler, choose
 SAMPLERS = tuple(TimestepSampler)
 WEIGHTINGS = tuple(LossWeighting)
 
-# Flux's resolution-dependent shift: mu grows linearly with the image token count between
-# these two points (256 tokens -> 0.5, 4096 tokens -> 1.15), as in Flux's own scheduler.
-TOKEN_SHIFT_POINTS = ((256, 0.5), (4096, 1.15))
+# The resolution-dependent shift (the `flux_shift` sampler): mu grows linearly with the image
+# token count through two points, each model family's own (`ModelFamily.token_shift`). FLUX's,
+# as its own scheduler and musubi-tuner's flux_shift: 256 tokens -> 0.5, 4096 -> 1.15; Qwen-Image's
+# (musubi-tuner's qwen_shift): 256 -> 0.5, 8192 -> 0.9.
+TokenShift = tuple[tuple[int, float], tuple[int, float]]
+TOKEN_SHIFT_POINTS: TokenShift = ((256, 0.5), (4096, 1.15))
+QWEN_TOKEN_SHIFT_POINTS: TokenShift = ((256, 0.5), (8192, 0.9))
 NoiseScaling = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (sigma, noise, x0) -> x_t
 
 
@@ -32,6 +36,7 @@ class SigmaSampler:
     logit_std: float = 1.0  # logit_normal: its standard deviation
     sigmoid_scale: float = 1.0  # sigmoid / shift / flux_shift: sigmoid(scale * normal)
     shift: float = 3.0  # shift: the fixed discrete-flow shift
+    token_shift: TokenShift = TOKEN_SHIFT_POINTS  # flux_shift: the model family's two points
 
     def __post_init__(self):
         object.__setattr__(self, "kind", choose(TimestepSampler, self.kind, "timestep_sampler"))
@@ -42,9 +47,12 @@ def shift_sigma(sigma: torch.Tensor, shift: float) -> torch.Tensor:
     return shift * sigma / (1 + (shift - 1) * sigma)
 
 
-def token_count_mu(image_tokens: int | torch.Tensor) -> float | torch.Tensor:
-    """Flux's shift exponent for an image of `image_tokens` tokens (linear in the count)."""
-    (x1, y1), (x2, y2) = TOKEN_SHIFT_POINTS
+def token_count_mu(
+    image_tokens: int | torch.Tensor, points: TokenShift = TOKEN_SHIFT_POINTS
+) -> float | torch.Tensor:
+    """The shift exponent for an image of `image_tokens` tokens: linear in the count through
+    the two `points` (FLUX's by default)."""
+    (x1, y1), (x2, y2) = points
     return y1 + (y2 - y1) * (image_tokens - x1) / (x2 - x1)
 
 
@@ -71,7 +79,7 @@ def sigmas_from_draws(
         return shift_sigma(base, sampler.shift)
     if torch.is_tensor(image_tokens):
         image_tokens = image_tokens.to(base.dtype)
-    return time_shift(base, token_count_mu(image_tokens))  # flux_shift
+    return time_shift(base, token_count_mu(image_tokens, sampler.token_shift))  # flux_shift
 
 
 def sample_sigmas(

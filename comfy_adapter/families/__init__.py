@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ...trainer_core.lora_metadata import ModelNames
+from ...trainer_core.objective import TOKEN_SHIFT_POINTS, TokenShift
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,9 @@ class ModelFamily:
     # releases ComfyUI cannot tell apart in this entry's files, and what to do about it: the
     # first line of a run's progress and of its log (empty: none)
     cannot_tell: str = ""
+    # the flux_shift sampler's two (image tokens, mu) points: the model's own resolution-dependent
+    # shift (FLUX's by default; Qwen-Image's is musubi-tuner's qwen_shift, `objective`)
+    token_shift: TokenShift = TOKEN_SHIFT_POINTS
 
     def matches(self, unet_config: dict) -> bool:
         """ComfyUI detected this model: its image_model and every item of `detects`."""

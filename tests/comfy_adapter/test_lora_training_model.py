@@ -347,3 +347,26 @@ def test_the_frozen_base_of_a_model_created_in_inference_mode_is_shared_not_copi
         assert not any(p.is_inference() for p in base.values())  # swapped: autograd can save them
         moved = [name for name, p in base.items() if p.data_ptr() != loaded[name]]
         assert not moved, f"{len(moved)} of {len(base)} base weights were copied, e.g. {moved[0]}"
+
+
+def test_the_session_samples_timesteps_with_its_familys_token_shift(ft, core, pack):
+    """The flux_shift sampler takes the shift of the session's family (`ModelFamily.token_shift`,
+    issue 43: Qwen-Image's is musubi-tuner's qwen_shift): a FLUX.1 entry given Qwen's points
+    draws the loss with them, and not with FLUX's."""
+    families = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.flux")
+    objective = importlib.import_module(f"{pack.__name__}.trainer_core.objective")
+    qwen = objective.QWEN_TOKEN_SHIFT_POINTS
+    family = dataclasses.replace(families.FLUX1, token_shift=qwen)
+    # 1024 image tokens each (at 256 both lines give mu 0.5)
+    samples = tiny_samples(core.flow_step.Sample, 2, 4, [(8, 8)], target=(64, 64))
+    config = ft.TrainConfig(rank=2, alpha=2.0, timestep_sampler="flux_shift")
+    with torch.inference_mode(False), ft.lora_session(tiny_flux_patcher(seed=1), config, family=family) as s:
+        ours = s.loss(samples, torch.Generator().manual_seed(3))
+        losses = {
+            points: core.flow_step.flow_matching_loss(
+                s.predict, samples, config, torch.Generator().manual_seed(3), s.empty_text, s.grid,
+                noise_scaling=s.noise_scaling, token_shift=points,
+            )
+            for points in (qwen, objective.TOKEN_SHIFT_POINTS)
+        }
+    assert torch.equal(ours, losses[qwen]) and not torch.equal(ours, losses[objective.TOKEN_SHIFT_POINTS])

@@ -76,6 +76,27 @@ def test_flux_shift_uses_each_samples_own_token_count():
         assert math.isclose(float(recorder.sigma[i]), expected, rel_tol=1e-5)
 
 
+def test_the_token_shift_is_the_one_given_for_the_model():
+    """A family's own points (`ModelFamily.token_shift`; here Qwen-Image's, musubi-tuner's
+    qwen_shift: 256 -> 0.5, 8192 -> 0.9) reach the sampler, written as musubi-tuner writes it:
+    shift = e^mu, t' = shift t / (1 + (shift - 1) t)."""
+    from trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
+
+    gen = torch.Generator().manual_seed(1)
+    samples = [make_sample(gen, size=(4, 4), refs=()), make_sample(gen, size=(8, 8), refs=())]
+    config = TrainConfig(timestep_sampler="flux_shift")
+    qwen, flux = Recorder(), Recorder()
+    qwen_points = QWEN_TOKEN_SHIFT_POINTS
+    flow_matching_loss(qwen, samples, config, torch.Generator().manual_seed(2), token_shift=qwen_points)
+    flow_matching_loss(flux, samples, config, torch.Generator().manual_seed(2))
+    normal = torch.randn(2, generator=torch.Generator().manual_seed(2))
+    for i, tokens in enumerate((4, 16)):
+        t = 1 / (1 + math.exp(-float(normal[i])))
+        shift = math.exp(0.5 + (0.9 - 0.5) * (tokens - 256) / (8192 - 256))
+        assert math.isclose(float(qwen.sigma[i]), shift * t / (1 + (shift - 1) * t), rel_tol=1e-5)
+    assert not torch.allclose(qwen.sigma, flux.sigma)
+
+
 def test_weighting_multiplies_each_samples_error():
     gen = torch.Generator().manual_seed(3)
     samples = [make_sample(gen)]

@@ -70,6 +70,24 @@ def test_flux_resolution_shift():
     assert (high > low).all()
 
 
+@pytest.mark.parametrize("tokens", [256, 1024, 4096, 6889])
+def test_flux_and_qwen_shift_are_musubi_tuners(tokens):
+    """musubi-tuner's flux_shift and qwen_shift (hv_train_network.py) written out: mu linear in
+    the image tokens, shift = e^mu, t' = shift t / (1 + (shift - 1) t) with t = sigmoid(scale x
+    normal). 6889 tokens: a 1328 x 1328 Qwen-Image, whose qwen_shift is about 2.3 (musubi's
+    documentation: "typically around 2.2 for 1328x1328 images")."""
+    from trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
+
+    for points, (x2, y2) in ((None, (4096, 1.15)), (QWEN_TOKEN_SHIFT_POINTS, (8192, 0.9))):
+        sampler = SigmaSampler("flux_shift", sigmoid_scale=1.3, **({"token_shift": points} if points else {}))
+        got = sigmas_from_draws(sampler, NORMAL, UNIFORM, tokens)
+        shift = math.exp(0.5 + (y2 - 0.5) * (tokens - 256) / (x2 - 256))
+        t = torch.sigmoid(1.3 * NORMAL)
+        torch.testing.assert_close(got, shift * t / (1 + (shift - 1) * t))
+    qwen_1328 = math.exp(token_count_mu(6889, QWEN_TOKEN_SHIFT_POINTS))
+    assert 2.2 < qwen_1328 < 2.4
+
+
 def test_sample_sigmas_is_seeded_and_in_range():
     sampler = SigmaSampler("logit_normal")
     a = sample_sigmas(sampler, 64, torch.Generator().manual_seed(1), 1024)
