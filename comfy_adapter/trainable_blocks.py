@@ -14,9 +14,10 @@ on ComfyUI 0.33); three things make the blocks themselves trainable:
 2. **A copy of the residual inputs**: the family's `TrainableBlock.__call__` hands its block
    copies of the streams it adds into, so a checkpoint recomputes from the inputs as they were.
 3. **Bound at forward time**: the block module is the one the patch was made for, and the
-   extra keyword arguments ComfyUI passes blocks in this call (0.33: `modulation_dims_img` /
-   `modulation_dims` for references at timestep 0) are read when the forward runs
-   (`call_time_kwargs`). ComfyUI's `original_block` is a closure over its forward's loop
+   keyword arguments ComfyUI passes blocks in this call only (0.33 Flux: `modulation_dims_img` /
+   `modulation_dims` for references at timestep 0; Qwen-Image: the text mask and
+   `timestep_zero_index`) are read when the forward runs (`call_time_kwargs`, under the names
+   the family gives). ComfyUI's `original_block` is a closure over its forward's loop
    variable, so calling it later (a checkpoint's recompute) would run another block.
 
 Patches are registered per block with `ModelPatcher.set_model_patch_replace(fn, "dit", kind, i)`
@@ -81,15 +82,27 @@ def copy_norm_inputs(blocks: Iterable[torch.nn.Module], norm_names: tuple[str, .
     return remove
 
 
-def call_time_kwargs(extra: dict) -> dict:
-    """The extra keyword arguments ComfyUI gives the block in this forward (a copy), read from
-    its `original_block` closure; none in ComfyUI versions that pass none."""
+def call_time_kwargs(
+    extra: dict, merged: tuple[str, ...] = ("extra_kwargs",), named: tuple[str, ...] = ()
+) -> dict:
+    """The keyword arguments ComfyUI gives the block in this forward only (a copy), read from its
+    `original_block` closure, as the family names them: `merged`, closure variables holding a
+    dict of them (Flux's `extra_kwargs`); `named`, closure variables passed under their own names
+    (Qwen-Image's `encoder_hidden_states_mask` and, 0.33, `timestep_zero_index`). A name the
+    closure lacks (a ComfyUI version that passes none) is left out."""
     original = extra.get("original_block")
     code = getattr(original, "__code__", None)
-    if code is None or "extra_kwargs" not in code.co_freevars:
+    if code is None:
         return {}
-    cell = original.__closure__[code.co_freevars.index("extra_kwargs")]
-    return dict(cell.cell_contents)
+    cells = dict(zip(code.co_freevars, original.__closure__ or (), strict=True))
+    found = {}
+    for name in merged:
+        if name in cells:
+            found.update(cells[name].cell_contents)
+    for name in named:
+        if name in cells:
+            found[name] = cells[name].cell_contents
+    return found
 
 
 class TrainableBlock:
