@@ -116,31 +116,51 @@ def flow_matching_loss(
         empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
         texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
     weights = loss_weights(sigma, config.loss_weighting)
+    # 5) the rows this process trains (data parallel: its share of the global batch), in runs of
+    # consecutive rows whose captions encoded to one length (a model without a text mask takes
+    # one length per forward: ComfyUI's T5 keeps captions over 256 tokens longer)
     if dropout_key is not None:
         seed_rows(dropout_key, rows.start if rows is not None else 0)
-    if rows is None:
+    chosen = list(range(batch))[rows] if rows is not None else list(range(batch))
+    if not chosen:
+        return torch.zeros((), dtype=torch.float32)
+    runs = _runs_of_one_text_length(chosen, texts)
+    if rows is None and len(runs) == 1:  # the whole batch in one forward
         return _loss_at(
             predict, clean, sigma, noise, texts, weights, perturbation, config.ip_noise_gamma, noise_scaling
         )
-    # 5) data parallel: this process's rows of the global batch, padded as it is and taking
-    # its path through the model (every layer sees a row at the shape one process gives it)
-    chosen = list(range(batch))[rows]
-    if not chosen:
-        return torch.zeros((), dtype=torch.float32)
-    mine = clean.rows(chosen)
-    index, length = torch.tensor(chosen), mine.tokens.shape[1]
-    loss = _loss_at(
-        predict,
-        mine,
-        sigma[index],
-        noise[index.to(noise.device), :length],
-        [texts[i] for i in chosen],
-        weights[index],
-        perturbation[index.to(noise.device), :length] if perturbation is not None else None,
-        config.ip_noise_gamma,
-        noise_scaling,
-    )
-    return loss * (len(chosen) / batch)
+    # each run padded as the global batch is, taking its path through the model (every layer
+    # sees a row at the shape one forward of the whole batch gives it), its share of the mean
+    loss = None
+    for run in runs:
+        if dropout_key is not None and run is not runs[0]:
+            seed_rows(dropout_key, run[0])
+        mine = clean.rows(run)
+        index, length = torch.tensor(run), mine.tokens.shape[1]
+        part = _loss_at(
+            predict,
+            mine,
+            sigma[index],
+            noise[index.to(noise.device), :length],
+            [texts[i] for i in run],
+            weights[index],
+            perturbation[index.to(noise.device), :length] if perturbation is not None else None,
+            config.ip_noise_gamma,
+            noise_scaling,
+        ) * (len(run) / batch)
+        loss = part if loss is None else loss + part
+    return loss
+
+
+def _runs_of_one_text_length(rows: list[int], texts) -> list[list[int]]:
+    """`rows` cut where the caption's encoded length changes."""
+    runs = [[rows[0]]]
+    for row in rows[1:]:
+        if texts[row][0].shape[0] == texts[runs[-1][-1]][0].shape[0]:
+            runs[-1].append(row)
+        else:
+            runs.append([row])
+    return runs
 
 
 def fixed_noise_loss(

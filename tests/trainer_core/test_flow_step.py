@@ -141,11 +141,36 @@ def test_caption_dropout_swaps_in_the_empty_prompt():
         flow_matching_loss(Recorder(), samples, TrainConfig(caption_dropout=0.5), torch.Generator())
 
 
-def test_captions_of_different_shapes_in_one_batch_are_refused():
+class Calls:
+    """A predictor that remembers every call's inputs and answers zero."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, batch, sigma, context, pooled):
+        self.calls.append((batch, sigma, context))
+        return torch.zeros_like(batch.tokens)
+
+
+def test_captions_of_different_lengths_train_one_length_per_forward():
+    """ComfyUI's T5 keeps a caption over 256 tokens longer than the others, and FLUX has no text
+    mask: the batch's rows go through the model in runs of one caption length (here 3, 3, 4:
+    two forwards), each row with its own draws of the whole batch, and the loss is the whole
+    batch's mean (by hand, as above). On 5417af8 such a batch stopped the run."""
     gen = torch.Generator().manual_seed(9)
-    samples = [make_sample(gen, text=3), make_sample(gen, text=4)]
-    with pytest.raises(ValueError, match=r"captions encoded to \[3, 4\] tokens.*batch_size 1"):
-        flow_matching_loss(Recorder(), samples, TrainConfig(), torch.Generator())
+    samples = [make_sample(gen, refs=(), text=length) for length in (3, 3, 4)]
+    calls = Calls()
+    config = TrainConfig(timestep_sampler="uniform", loss_weighting="none")
+    loss = flow_matching_loss(calls, samples, config, torch.Generator().manual_seed(5))
+    assert [tuple(c[2].shape[:2]) for c in calls.calls] == [(2, 3), (1, 4)]
+    draws = torch.Generator().manual_seed(5)
+    torch.randn(3, generator=draws)
+    sigma = torch.rand(3, generator=draws)
+    noise = torch.randn(3, 4, 64, generator=draws)
+    torch.testing.assert_close(torch.cat([c[1] for c in calls.calls]), sigma)
+    errors = [(noise[i] - pack_latent(sample.target[None])[0]) ** 2 for i, sample in enumerate(samples)]
+    expected = sum(float(error.mean()) for error in errors) / 3
+    assert math.isclose(float(loss), expected, rel_tol=1e-6)
 
 
 def test_caption_dropout_works_when_the_empty_prompt_has_another_length():
