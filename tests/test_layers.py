@@ -97,6 +97,15 @@ def violations(root: Path = REPO) -> list[str]:
     return found
 
 
+def reported_files(checker, root: Path, files: dict[str, str]) -> list[str]:
+    """The files of a small tree (`files`: path -> source, written under `root`) that `checker`
+    reports."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+    return sorted({line.split(":")[0] for line in checker(root)})
+
+
 def test_the_rules_catch_what_they_forbid(tmp_path):
     """The checker on a small tree: each forbidden import is reported, each allowed one not."""
     files = {
@@ -111,11 +120,8 @@ def test_the_rules_catch_what_they_forbid(tmp_path):
         "application/absolute.py": "from trainer_core.config import TrainConfig\n",
         "nodes/fine.py": "import nodes\nfrom ..application import datasets\nimport comfy_api.latest\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    reported = sorted({line.split(":")[0] for line in violations(tmp_path)})
-    assert reported == sorted(name for name in files if not name.endswith("fine.py"))
+    forbidden = sorted(name for name in files if not name.endswith("fine.py"))
+    assert reported_files(violations, tmp_path, files) == forbidden
 
 
 def test_every_import_points_down_and_only_the_adapter_and_nodes_touch_comfyui():
@@ -161,11 +167,7 @@ def test_the_application_and_the_nodes_read_a_model_only_through_the_adapter(tmp
         "nodes/device.py": "def f(model):\n    return model.load_device\n",
         "application/fine.py": "def f(config, r):\n    return config.model.diffusion_model, r.load\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
-    reported = sorted({line.split(":")[0] for line in model_reads(tmp_path)})
-    assert reported == ["application/reads.py", "nodes/device.py"]
+    assert reported_files(model_reads, tmp_path, files) == ["application/reads.py", "nodes/device.py"]
     assert model_reads() == []
 
 
