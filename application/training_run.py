@@ -164,6 +164,7 @@ class TrainingRun:
         self.interrupted = interrupted_error()
         self.paths, self.collective, self.writes = run.paths, run.collective, run.rank == 0
         self.family = run.family or family_of(model)  # resolved once for the run
+        self.final_checkpoint: Path | None = None  # the finished run's last checkpoint
 
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
     def start(self) -> None:
@@ -284,7 +285,8 @@ class TrainingRun:
             lora_state = self.finished(session, result)
         replaced = " (replaced the previous file, overwrite is on)" if self.run.replaces else ""
         message = self.conflict or f"saved {self.paths.lora}{replaced}"
-        self.job.report(status=JobStatus.FINISHED, message=message)
+        resume_next, pruned = self.resume_moved(self.final_checkpoint)
+        self.job.report(status=JobStatus.FINISHED, message=message + pruned, resume_next=resume_next)
         final_previews = self.previews.images() if self.previews is not None else None
         return TrainingOutcome(
             result.losses,
@@ -350,17 +352,32 @@ class TrainingRun:
         checkpoint = self.checkpoints.save(session, result.steps, result)
         where = self.paths.checkpoint_choice(checkpoint) if checkpoint is not None else "rank 0's checkpoint"
         kept = aside_note(self.checkpoints.aside)
+        resume_next, pruned = self.resume_moved(checkpoint)
         self.job.report(
-            status=JobStatus.CANCELLED, message=f"stopped at step {result.steps}{kept}; resume from {where}"
+            status=JobStatus.CANCELLED,
+            message=f"stopped at step {result.steps}{kept}; resume from {where}{pruned}",
+            resume_next=resume_next,
         )
         return TrainingOutcome(
             result.losses, cancelled=True, checkpoint=checkpoint, validation=result.validation
         )
 
+    def resume_moved(self, newest: Path | None) -> tuple[str, str]:
+        """Where keep_last pruned the checkpoint this run resumed from (the policy counts the
+        runs a resume continues): the choice that takes its place in resume_from (the run's
+        newest checkpoint `newest`, or "none") and the end of the run's message saying so;
+        ("", "") otherwise. Without it, the node kept the pruned choice and the next Run was
+        refused by ComfyUI ("Value not in list")."""
+        resumed = self.run.resume
+        if resumed is None or resumed.exists() or not self.writes:
+            return "", ""
+        choice = self.paths.checkpoint_choice(newest) if newest is not None and newest.is_dir() else "none"
+        return choice, f"; keep_last pruned the checkpoint this run resumed from: resume_from is now {choice}"
+
     # 5) a finished one: a checkpoint (to continue with more steps), the LoRA, the last previews
     def finished(self, session: LoraSession, result: TrainResult) -> dict[str, torch.Tensor]:
         config = self.config
-        final = self.checkpoints.save(session, config.steps, result)
+        final = self.final_checkpoint = self.checkpoints.save(session, config.steps, result)
         try:
             saved = self.save_lora(session, training_metadata(config, self.facts, config.steps))
         except WRITE_ERRORS as error:

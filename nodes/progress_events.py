@@ -25,5 +25,6 @@ PAYLOAD_FIELDS = (
     "previews",  # the recent preview images (up to 24, oldest first), /view references + step
     "validation_loss",  # the latest held-out loss, else null (every point: the progress route)
     "validation_step",  # the optimizer step after which it was computed, else null
+    "resume_next",  # keep_last pruned the checkpoint the run resumed from: resume_from's new choice
 )
 MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second

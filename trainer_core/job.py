@@ -36,6 +36,9 @@ class Progress:
     previews: tuple = ()  # the latest preview images: ({filename, subfolder, type, step}, ...)
     validation_loss: float | None = None  # the latest held-out loss (TrainingJob.record_validation)
     validation_step: int | None = None  # the optimizer step after which it was computed
+    # keep_last pruned the checkpoint this run resumed from: the choice that takes its place in
+    # resume_from (the run's newest checkpoint, or "none"); "" otherwise
+    resume_next: str = ""
 
 
 class ProgressTracker:

@@ -1,8 +1,9 @@
 """When a training run ends, the page shows what it left, without a reload or `r`: after a
 Cancel, TrainLoRA's `resume_from` lists the checkpoint its message names; after a finished run,
 a stock LoraLoader on the canvas and TrainLoRA's `start_from_lora` list the new LoRA (the
-selected values stay), and so does a LoraLoader added after the run. A deliberate Cancel never
-shows as a failed job."""
+selected values stay), and so does a LoraLoader added after the run; after a run whose
+resumed-from checkpoint keep_last pruned, `resume_from` moves to the run's newest checkpoint and
+the next Run works. A deliberate Cancel never shows as a failed job."""
 
 from __future__ import annotations
 
@@ -19,6 +20,15 @@ CANCEL_STEPS = 40  # long enough on the tiny model that the Cancel lands while i
 OPTIONS = """([node, widget]) => {
     const found = window.comfyAPI.app.app.graph.getNodeById(node)?.widgets?.find((w) => w.name === widget);
     return found ? {value: found.value, options: [...found.options.values]} : null;
+}"""
+
+# The frontend gives every `seed` widget a control that changes it after each queued prompt;
+# a user training from fixed models keeps it "fixed", as the examples do.
+FIXED_SEEDS = """() => window.comfyAPI.app.app.graph.nodes.flatMap((n) => n.widgets ?? [])
+    .filter((w) => w.name === "control_after_generate").forEach((w) => { w.value = "fixed"; })"""
+
+SET_WIDGET = """([node, widget, value]) => {
+    window.comfyAPI.app.app.graph.getNodeById(node).widgets.find((w) => w.name === widget).value = value;
 }"""
 
 ADD_LORA_LOADER = """(pos) => { const node = LiteGraph.createNode('LoraLoader');
@@ -129,3 +139,47 @@ def test_a_cancel_does_not_show_as_failed(comfy_page, server, dataset, to_ui_for
     if failed and ended == "execution_interrupted":
         pytest.xfail(f"the frontend shows a cancelled job as {failed[0]!r} (jobStateFromTask)")
     assert not failed
+
+
+@pytest.fixture(scope="module")
+def pruned_origin(server, dataset):
+    """A first run of 2 steps with a checkpoint at each (made before the test's page opens, so
+    the page lists them); returns the choice of its step 1."""
+    first_run = training_graph(dataset, "kt_pruned_ui", steps=2, save_every=1, keep_last=2)
+    _, messages = server.run_prompt(first_run)
+    assert messages[-1]["type"] == "execution_success", messages[-1]
+    root = server.base_dir / "output" / "kontext_trainer_checkpoints"
+    (first,) = root.glob("kt_pruned_ui/*/step_000001")
+    return first.relative_to(root).as_posix()
+
+
+def test_after_keep_last_pruned_the_checkpoint_a_run_resumed_from_the_next_run_works(
+    pruned_origin, comfy_page, server, dataset, to_ui_format
+):
+    """Issue 45 item 4: keep_last (2) counts the run a resume continues, so resuming from step 1
+    and training to step 4 prunes step 1. The node's resume_from moves to the run's newest
+    checkpoint, the panel says why, and the next Run is accepted (on de381c0 the node kept the
+    pruned choice and ComfyUI refused the prompt: "Value not in list: resume_from")."""
+    graph = training_graph(
+        dataset, "kt_pruned_ui", resume_from=pruned_origin, overwrite=True, steps=4, save_every=1, keep_last=2
+    )
+    open_workflow(comfy_page, to_ui_format, graph, "pruned.json")
+    comfy_page.evaluate(FIXED_SEEDS)  # the tiny models' seeds stay: a resume needs the same encoders
+    assert comfy_page.evaluate(OPTIONS, [5, "resume_from"])["value"] == pruned_origin
+    prompt_id = queue_from_page(comfy_page)
+    entry = server.history(prompt_id, timeout=300)
+    assert entry["status"]["status_str"] == "success", entry["status"]
+    comfy_page.wait_for_function(
+        f"() => ({OPTIONS})([5, 'resume_from']).value.endsWith('step_000004')", timeout=30_000
+    )
+    widget = comfy_page.evaluate(OPTIONS, [5, "resume_from"])
+    assert pruned_origin not in widget["options"] and widget["value"] in widget["options"]
+    run = comfy_page.evaluate(RUN_SHOWN, "5")
+    assert f"keep_last pruned the checkpoint this run resumed from: resume_from is now {widget['value']}" in (
+        run["message"]
+    )
+    comfy_page.evaluate(SET_WIDGET, [5, "steps", 5])  # one more step from the moved choice
+    next_id = queue_from_page(comfy_page)  # accepted: a new run shows on the panel
+    ended = server.history(next_id, timeout=300)["status"]
+    assert ended["status_str"] == "success", ended["messages"][-1][1].get("exception_message")
+    assert not comfy_page.ui_problems()

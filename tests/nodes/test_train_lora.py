@@ -343,6 +343,28 @@ def test_runs_under_one_name_keep_their_own_checkpoints(mods, dataset):
     assert not list(loras_dir().glob("kt_two_runs_checkpoints"))  # nothing where LoRA lists look
 
 
+def test_a_resume_whose_checkpoint_keep_last_pruned_names_the_choice_that_replaces_it(mods, dataset):
+    """Issue 45 item 4: keep_last counts the run a resume continues, so it can prune the
+    checkpoint the run resumed from; the run's last event then names the choice that takes its
+    place in resume_from (the run's newest checkpoint) and its message says why, and that
+    choice is in the list the next Run validates against. A resume whose checkpoint stays
+    names nothing."""
+    train(mods, dataset, "kt_pruned", steps=2, save_every=1, keep_last=2)
+    choices = [c for c in mods.node.resume_choices() if c.startswith("kt_pruned/")]
+    first = choices[0]  # step 1: pruned once the resumed run has written two newer ones
+    settings = {"overwrite": True, "steps": 4, "save_every": 1, "keep_last": 2}
+    result = run_train(mods, dataset, "kt_pruned", resume=first, **settings)
+    final = result.events(mods.events.PROGRESS_EVENT)[-1]
+    newest = [c for c in mods.node.resume_choices() if c.startswith("kt_pruned/")][-1]
+    assert first not in mods.node.resume_choices()
+    assert final["resume_next"] == newest and newest.endswith("step_000004"), final
+    assert final["message"].endswith(
+        f"keep_last pruned the checkpoint this run resumed from: resume_from is now {newest}"
+    )
+    kept = run_train(mods, dataset, "kt_pruned", resume=newest, overwrite=True, steps=5, keep_last=0)
+    assert kept.events(mods.events.PROGRESS_EVENT)[-1]["resume_next"] == ""
+
+
 def test_an_existing_lora_needs_overwrite(mods, dataset):
     train(mods, dataset, "kt_exists", steps=1)
     before = (loras_dir() / "kt_exists.safetensors").read_bytes()

@@ -19,4 +19,5 @@ export const PAYLOAD_FIELDS = [
   "previews",
   "validation_loss",
   "validation_step",
+  "resume_next",
 ];

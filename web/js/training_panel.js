@@ -171,7 +171,26 @@ async function followQueue() {
   renderAll();
   const ended = [...trainingPrompts].some((promptId) => !training.has(promptId));
   trainingPrompts = training;
-  if (ended) await refreshComboLists();
+  if (ended) {
+    await refreshComboLists();
+    moveResumeChoices();
+  }
+}
+
+// keep_last counts the run a resume continues, so it can prune the checkpoint the run resumed
+// from: the run's last event names the choice that takes its place (`resume_next`: the run's
+// newest checkpoint, or "none"). A TrainLoRA whose resume_from still holds a choice the fresh
+// list no longer has takes it; left as it was, the next Run was refused ("Value not in list").
+function moveResumeChoices() {
+  const root = app.rootGraph ?? app.graph;
+  for (const node of root?.nodes ?? []) {
+    if ((node.comfyClass ?? node.type) !== NODE_CLASS) continue;
+    const next = runShown(node.id)?.progress?.resume_next;
+    const widget = node.widgets?.find((w) => w.name === "resume_from");
+    const values = widget?.options?.values ?? [];
+    if (next && !values.includes(widget.value) && values.includes(next)) widget.value = next;
+  }
+  app.graph?.setDirtyCanvas?.(true, true);
 }
 
 function panelElement() {
