@@ -53,6 +53,9 @@ from demo_dataset import KONTEXT_FOLDER, REFERENCE_IMAGE, write_example_inputs
 WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
 INFERENCE = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_inference.json"
 DEMO_BASE = REPO_ROOT / ".cache" / "demo"
+# The demo's LoRA: a name of its own, so the training example runs as shipped after the demo
+# (overwrite off, it writes kontext_demo_lora) and the demo reruns without touching that file
+DEMO_LORA = "kontext_trainer_demo"
 PROGRESS_EVENT = "kontext_trainer.progress"
 TIMEOUT_SECONDS = 15 * 60
 
@@ -136,14 +139,16 @@ def prepare_assets() -> dict:
 
 
 def train(server: ComfyServer, base) -> str | None:
-    """Queue the training example with overwrite on (so the demo reruns); returns the LoRA's
-    file name, or None if the run did not succeed."""
+    """Queue the training example under the demo's own LoRA name with overwrite on (so the demo
+    reruns); returns the LoRA's file name, or None if the run did not succeed."""
     workflow = json.loads(WORKFLOW.read_text())
     trainer, report = node_of(workflow, "KontextTrainer_TrainLoRA"), node_of(workflow, "PreviewAny")
-    workflow[trainer]["inputs"]["overwrite"] = True  # the example ships with it off
-    previous = base / "models" / "loras" / f"{workflow[trainer]['inputs']['lora_name']}.safetensors"
+    shipped = workflow[trainer]["inputs"]["lora_name"]
+    workflow[trainer]["inputs"].update(lora_name=DEMO_LORA, overwrite=True)  # the example: its own, off
+    previous = base / "models" / "loras" / f"{DEMO_LORA}.safetensors"
     existed = previous.is_file()
-    say(f"queueing {WORKFLOW.relative_to(REPO_ROOT)} (overwrite on)")
+    example = WORKFLOW.relative_to(REPO_ROOT)
+    say(f"queueing {example} as lora_name {DEMO_LORA} (the example's own is {shipped}), overwrite on")
     outcome, prompt_id = run(server, workflow)
     if outcome != "execution_success":
         say(f"the training run ended with {outcome}")
@@ -165,12 +170,13 @@ def train(server: ComfyServer, base) -> str | None:
 
 
 def sample(server: ComfyServer, base, lora_name: str) -> bool:
-    """Queue the inference example exactly as shipped: it loads `lora_name` and the reference."""
+    """Queue the inference example as shipped but for its LoRA, the demo's `lora_name` in place of
+    the training example's (it loads the reference the demo wrote)."""
     workflow = json.loads(INFERENCE.read_text())
     loader = node_of(workflow, "LoraLoaderModelOnly")
-    if workflow[loader]["inputs"]["lora_name"] != lora_name:
-        raise SystemExit(f"[demo] {INFERENCE.name} loads another LoRA than the demo trains ({lora_name})")
-    say(f"queueing {INFERENCE.relative_to(REPO_ROOT)} as shipped (the LoRA on {REFERENCE_IMAGE})")
+    workflow[loader]["inputs"]["lora_name"] = lora_name
+    example = INFERENCE.relative_to(REPO_ROOT)
+    say(f"queueing {example} with the demo's LoRA {lora_name} (on {REFERENCE_IMAGE})")
     outcome, prompt_id = run(server, workflow)
     if outcome != "execution_success":
         say(f"the inference run ended with {outcome}")

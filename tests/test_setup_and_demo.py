@@ -300,3 +300,31 @@ def test_the_demo_prints_each_step_once_and_no_eta_once_done():
             printed.append(demo.describe(one))
     assert [line.split()[2] for line in printed] == ["12/24", "13/24", "24/24", "24/24"], printed
     assert "ETA" in printed[0] and "ETA" not in printed[-1] and "ETA" not in printed[-2], printed
+
+
+def test_the_demo_trains_under_a_name_no_example_writes_or_loads(monkeypatch, tmp_path):
+    """Issue 45 item 3: the demo queues the training example under a LoRA name of its own (and
+    samples the inference example with that LoRA), so each example runs as shipped after `make
+    demo`. On de381c0 it trained under the example's own name, kontext_demo_lora, whose
+    overwrite is off: the newcomer's first run of the example was refused ("already exists")."""
+    import json
+
+    import demo
+
+    shipped = set()
+    for path in (demo.REPO_ROOT / "example_workflows" / "api").glob("*.json"):
+        for node in json.loads(path.read_text()).values():
+            if node["class_type"] == "KontextTrainer_TrainLoRA":
+                shipped.add(node["inputs"]["lora_name"])
+            elif node["class_type"].startswith("LoraLoader"):
+                shipped.add(node["inputs"]["lora_name"].removesuffix(".safetensors"))
+    assert "kontext_demo_lora" in shipped and demo.DEMO_LORA not in shipped
+    queued = []
+    monkeypatch.setattr(demo, "run", lambda server, workflow: (queued.append(workflow), ("failed", None))[1])
+    lora = f"{demo.DEMO_LORA}.safetensors"
+    assert demo.train(None, tmp_path) is None and not demo.sample(None, tmp_path, lora)
+    trained, sampled = queued
+    (trainer,) = [n["inputs"] for n in trained.values() if n["class_type"] == "KontextTrainer_TrainLoRA"]
+    assert trainer["lora_name"] == demo.DEMO_LORA and trainer["overwrite"] is True
+    (loader,) = [n["inputs"] for n in sampled.values() if n["class_type"] == "LoraLoaderModelOnly"]
+    assert loader["lora_name"] == lora
