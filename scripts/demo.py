@@ -9,13 +9,14 @@ start that ComfyUI on the demo's files for a browser (`make ui`).
    `.cache/demo/`;
 3. queues `example_workflows/api/kontext_lora_training.json` over the HTTP API (stock
    UNETLoader / VAELoader / CLIPLoader -> LoadKontextDataset -> TrainLoRA, with PreviewSampler
-   previews of the unseen reference `input/kontext_demo_reference.png`) with `overwrite` on,
-   and prints the dataset report and the live progress the websocket carries;
+   previews of the unseen reference `input/kontext_demo_reference.png`) under the demo's own
+   LoRA name (`DEMO_LORA`: the example's stays free) with `overwrite` on, and prints the
+   dataset report and the live progress the websocket carries;
 4. prints where the LoRA landed in models/loras, the loss at the start and the end, and the
    held-out validation loss (one of the eight samples is held out) at each point it was
    computed;
-5. queues `example_workflows/api/kontext_lora_inference.json` as shipped (it loads that LoRA
-   and that reference) and prints where its image landed in output/: with random weights and a
+5. queues `example_workflows/api/kontext_lora_inference.json` with that LoRA in its LoraLoader
+   (and the reference it ships with) and prints where its image landed in output/: with random weights and a
    minute of training that image is coloured noise, not an edited circle; it shows the path runs.
 
 Rerunning reuses the models, the datasets and the encoded-latent cache; training reruns and
