@@ -29,7 +29,14 @@ from ..comfy_adapter.comfy_quantized import base_record
 from ..comfy_adapter.families import ModelFamily
 from ..comfy_adapter.lora_session import LoraSession, lora_session
 from ..comfy_adapter.model_family import family_of, text_in
-from ..comfy_adapter.model_view import compute_dtype, latent_in, layer_names, layer_shapes, stored_formats
+from ..comfy_adapter.model_view import (
+    base_model,
+    compute_dtype,
+    latent_in,
+    layer_names,
+    layer_shapes,
+    stored_formats,
+)
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.atomic import NameTaken
 from ..trainer_core.checkpoint import load_checkpoint
@@ -120,7 +127,7 @@ class SampleCache:
 
     def __init__(self, dataset: KontextDataset, model):
         self.dataset, self.latent_in = dataset, latent_in(model)
-        self.text_in = text_in(model.model)
+        self.text_in = text_in(base_model(model))
         self._training: dict[int, Sample] = {}
 
     def _sample(self, entry) -> Sample:

@@ -16,6 +16,12 @@ from .cast_contract import linear_names
 from .comfy_quantized import weight_formats
 
 
+def base_model(model):
+    """ComfyUI's model object inside the MODEL (`comfy.model_base.BaseModel`): what its sampling
+    calls, and what `model_family.text_in` reads the text format from."""
+    return model.model
+
+
 def diffusion_module(model) -> torch.nn.Module:
     """ComfyUI's diffusion model inside the MODEL (the module the LoRA's layers are in)."""
     return model.model.diffusion_model

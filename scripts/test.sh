@@ -2,7 +2,7 @@
 # Lint, then every test layer (trainer_core, nodes, e2e) on the bundled ComfyUI 0.3.75 and, at
 # the same time, the layers that use ComfyUI (nodes, e2e, the GPU layer's skips) on ComfyUI 0.33
 # where set-up unpacked it (.comfyui-0.33/): four pytest runs at once (below); tests marked
-# `version_independent` run once, on 0.33 (but for one file: below). Extra arguments go to
+# `version_independent` run once, on 0.33 (but for three files, on 0.3.75: below). Extra arguments go to
 # every pytest run, e.g. `bash scripts/test.sh -m "not e2e"`. KONTEXT_TRAINER_COMFYUI set: one
 # run, on that ComfyUI.
 # `--quick` first (make test-quick): lint, trainer_core and the in-process layers (comfy_adapter,

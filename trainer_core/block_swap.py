@@ -160,17 +160,20 @@ class BlockSwapper:
 
     def before(self, index: int, backward: bool | None = None) -> None:
         backward = in_backward() if backward is None else backward
-        if backward:  # blocks above this one have finished their backward
-            for done in [i for i in self.resident if i > index]:
+        upcoming = [i for i in self.swapped if (i < index if backward else i > index)]
+        following = (max(upcoming) if backward else min(upcoming)) if upcoming else None
+        if backward:  # every block but this one and the next has finished its backward: those
+            # above this one, and those of an earlier backward pass that began at the top again
+            # (a batch split by caption length runs its forwards, then each one's backward)
+            for done in [i for i in self.resident if i not in (index, following)]:
                 self._depart(done)
         if index in self.slots:
             self._arrive(index)
             event = self._arrivals.pop(index, None)
             if event is not None:
                 torch.cuda.current_stream(self.compute).wait_event(event)
-        upcoming = [i for i in self.swapped if (i < index if backward else i > index)]
-        if upcoming:
-            self._arrive(max(upcoming) if backward else min(upcoming))  # prefetch the next one
+        if following is not None:
+            self._arrive(following)  # prefetch the next one
 
     def after(self, index: int, backward: bool | None = None) -> None:
         backward = in_backward() if backward is None else backward

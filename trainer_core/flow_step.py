@@ -54,11 +54,8 @@ Predict = Callable[[TokenBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch
 
 def _stack_text(texts) -> tuple[torch.Tensor, torch.Tensor]:
     lengths = sorted({context.shape[0] for context, _ in texts})
-    if len(lengths) > 1:
-        raise ValueError(
-            f"one batch holds captions encoded to {lengths} tokens; ComfyUI's T5 keeps captions over "
-            "256 tokens longer than the others. Shorten the long captions or use batch_size 1"
-        )
+    if len(lengths) > 1:  # `flow_matching_loss` gives each forward one caption length
+        raise RuntimeError(f"Kontext Trainer: one forward got captions of {lengths} tokens")
     return torch.stack([c for c, _ in texts]), torch.stack([p for _, p in texts])
 
 

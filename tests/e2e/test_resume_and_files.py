@@ -24,7 +24,7 @@ from kt_testing.runs import (
 )
 from trainer_core.lora_file import load
 
-pytestmark = pytest.mark.version_independent  # runs on ComfyUI 0.33 only in `make test`
+pytestmark = pytest.mark.version_independent  # runs once in `make test` (on 0.3.75: scripts/test.sh)
 
 # Every random part of a step on: LoRA dropout, caption dropout, input-perturbation noise.
 RECIPE = {"dropout": 0.1, "caption_dropout": 0.3, "ip_noise_gamma": 0.1, "seed": 11, "steps": 40}

@@ -40,7 +40,7 @@ from trainer_core.lora_file import SAVE_PRECISIONS, LoraModule, load
 from trainer_core.lora_metadata import ModelNames, RunFacts, training_metadata, write_lora
 
 # diffusers reading our files: the same on every ComfyUI (the training run's path is tested on both
-# elsewhere); runs on ComfyUI 0.33 only in `make test`
+# elsewhere); runs once in `make test` (on 0.3.75, in its e2e run: scripts/test.sh)
 pytestmark = pytest.mark.version_independent
 
 # FLUX.1's names (comfy_adapter/families/flux)

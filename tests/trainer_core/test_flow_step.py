@@ -76,6 +76,33 @@ def test_flux_shift_uses_each_samples_own_token_count():
         assert math.isclose(float(recorder.sigma[i]), expected, rel_tol=1e-5)
 
 
+def test_each_run_of_one_caption_length_seeds_lora_dropout_with_its_first_global_row():
+    """LoRA dropout's masks belong to (micro-batch, global row) (`lora_dropout`): each forward
+    starts torch's seed at its first row's place, so a row gets its mask whether the batch runs
+    in one forward, in runs of one caption length, or spread over processes (`rows`)."""
+    from trainer_core.lora_dropout import ROW_BITS, micro_batch_key
+
+    gen = torch.Generator().manual_seed(9)
+    samples = [make_sample(gen, refs=(), text=length) for length in (3, 3, 4)]
+    config = TrainConfig(timestep_sampler="uniform", loss_weighting="none", dropout=0.1)
+    key = micro_batch_key(torch.Generator().manual_seed(5))
+    seeds = []
+
+    def predict(batch, sigma, context, pooled):
+        seeds.append(torch.initial_seed())
+        return torch.zeros_like(batch.tokens)
+
+    whole = flow_matching_loss(predict, samples, config, torch.Generator().manual_seed(5))
+    assert seeds == [key << ROW_BITS | 0, key << ROW_BITS | 2]
+    seeds.clear()
+    parts = [
+        flow_matching_loss(predict, samples, config, torch.Generator().manual_seed(5), rows=rows)
+        for rows in (slice(0, 2), slice(2, 3))
+    ]
+    assert seeds == [key << ROW_BITS | 0, key << ROW_BITS | 2]
+    assert math.isclose(float(sum(parts)), float(whole), rel_tol=1e-6)
+
+
 def test_the_token_shift_is_the_one_given_for_the_model():
     """A family's own points (`ModelFamily.token_shift`; here Qwen-Image's, musubi-tuner's
     qwen_shift: 256 -> 0.5, 8192 -> 0.9) reach the sampler, written as musubi-tuner writes it:
