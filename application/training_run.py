@@ -331,8 +331,7 @@ class TrainingRun:
             return held_out_loss(
                 session.predict,
                 self.held_out,
-                config.layout,
-                session.grid,
+                session.pack,
                 config.seed,
                 noise_scaling=session.noise_scaling,
             )

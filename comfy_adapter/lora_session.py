@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import time
 import uuid
 from collections.abc import Mapping
@@ -54,7 +53,6 @@ from ..trainer_core.flow_step import EmptyText, flow_matching_loss
 from ..trainer_core.lora_adapters import AttachedLora, attach_lora
 from ..trainer_core.lora_file import LoraModule
 from ..trainer_core.lora_metadata import write_lora
-from ..trainer_core.position_ids import TokenGrid
 from ..trainer_core.token_batch import TokenBatch
 from .autograd_safe import is_packed, make_autograd_safe_, put_back_
 from .cast_contract import ContractPlan, linear_names, plan_for, recast_in_backward
@@ -100,10 +98,10 @@ class LoraSession:
     def diffusion_model(self):
         return self.patcher.model.diffusion_model
 
-    @functools.cached_property
-    def grid(self) -> TokenGrid:
-        """How this model turns latents into tokens and ids."""
-        return self.family.token_grid(self.diffusion_model)
+    def pack(self, targets, references) -> TokenBatch:
+        """The samples' latents as this model's tokens, in the run's layout (the family's
+        packing: `ModelFamily.pack`)."""
+        return self.family.pack(self.diffusion_model, self.config.layout, targets, references)
 
     def transformer_options(self) -> dict:
         return sampling_options(self.patcher)
@@ -145,7 +143,7 @@ class LoraSession:
             self.config,
             generator,
             self.empty_text,
-            self.grid,
+            self.pack,
             rows,
             self.noise_scaling,
             self.family.token_shift,

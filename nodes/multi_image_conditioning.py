@@ -1,7 +1,7 @@
 """MultiImageConditioning: reference images -> conditioning (+ a MODEL that uses our ids).
 
 The same conditioning drives a stock KSampler and TrainLoRA. The MODEL output is a clone whose
-image ids come from `trainer_core.position_ids` for every layout (the family's
+image ids are the pack's for every layout (the family's
 `with_reference_ids`); for `dreamomni2`, a layout ComfyUI does not know, using that MODEL is
 required. The model's family comes from the MODEL itself; a layout that does not fit it, or a
 MODEL of another kind, is refused here rather than failing mid-sampling.
@@ -17,7 +17,7 @@ from ..application.node_ids import node_id
 from ..comfy_adapter.families import layouts_by_family, trained_models
 from ..comfy_adapter.model_family import check_layout_fits
 from ..comfy_adapter.model_view import diffusion_module
-from ..trainer_core.position_ids import LAYOUTS, check_layout
+from ..trainer_core.choices import Layout, choose
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
 
 MAX_REFERENCES = 4
@@ -95,7 +95,10 @@ class MultiImageConditioning(io.ComfyNode):
                 ),
                 io.Vae.Input("vae", tooltip="The MODEL's VAE, which encodes the references."),
                 io.Combo.Input(
-                    "layout", options=["auto", *LAYOUTS], default="auto", tooltip=LAYOUT_TOOLTIP
+                    "layout",
+                    options=[layout.value for layout in Layout],
+                    default="auto",
+                    tooltip=LAYOUT_TOOLTIP,
                 ),
                 io.Int.Input(
                     "reference_resolution",
@@ -134,7 +137,7 @@ class MultiImageConditioning(io.ComfyNode):
         image_4=None,
     ) -> io.NodeOutput:
         if layout != "auto":
-            check_layout(layout)  # a name no layout has, before whether it fits the model
+            choose(Layout, layout, "layout")  # a name no layout has, before whether it fits the model
         family = check_layout_fits(model, layout, "MultiImageConditioning's model")
         # auto: the model's own (ComfyUI's default for it), set on the conditioning by name
         layout = family.resolve_layout(layout, diffusion_module(model))

@@ -61,9 +61,10 @@ class TargetPreset(Choice):
 
 
 class Layout(Choice):
-    """Reference position-id layouts (`position_ids`); `auto` is the model's own (the one ComfyUI
-    samples it with by default, its `TokenGrid.default_layout`: FLUX.1 `offset`, FLUX.2 `index`),
-    resolved where the model is known (`position_ids.resolve_layout`)."""
+    """Reference layouts: where a model's references sit in its position grid (each family says
+    which fit it: FLUX's ids are `families/flux/position_ids`); `auto` is the model's own (the
+    one ComfyUI samples it with by default: FLUX.1 `offset`, FLUX.2 `index`), resolved where the
+    model is known (`ModelFamily.resolve_layout`)."""
 
     AUTO = "auto"
     OFFSET = "offset"

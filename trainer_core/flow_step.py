@@ -1,7 +1,9 @@
 """One rectified-flow loss evaluation on a batch of samples, independent of the model.
 
 The model enters as `predict(noisy: TokenBatch, sigma, context, pooled) -> (B, L, D)`, the
-velocity for every token (only target tokens are used). Random draws come from one explicit
+velocity for every token (only target tokens are used), and its family's packing as
+`pack(targets, references) -> TokenBatch` (`token_batch.Pack`: the tokens, and whatever else
+the family's model takes with them, such as FLUX's position ids). Random draws come from one explicit
 generator in a fixed order, so a seed fixes the whole step.
 """
 
@@ -25,8 +27,7 @@ from .objective import (
     noisy_input,
     sample_sigmas,
 )
-from .position_ids import DEFAULT_GRID, TokenGrid
-from .token_batch import TokenBatch, build_token_batch
+from .token_batch import Pack, TokenBatch, build_token_batch
 
 
 @dataclass
@@ -35,10 +36,10 @@ class Sample:
     after ComfyUI's `model.process_latent_in` (Flux: (z - shift) * scale), as sampling sees
     them."""
 
-    target: torch.Tensor  # (C, H, W) clean target latent
+    target: torch.Tensor  # (C, [T,] H, W) clean target latent, of the model's latent rank
     context: torch.Tensor  # (T, D) text embedding of the caption
     pooled: torch.Tensor  # (D,) pooled text embedding
-    references: list[torch.Tensor] = field(default_factory=list)  # (C, h, w) clean reference latents
+    references: list[torch.Tensor] = field(default_factory=list)  # clean reference latents, same rank
 
 
 @dataclass
@@ -75,13 +76,14 @@ def flow_matching_loss(
     config: TrainConfig,
     generator: torch.Generator,
     empty_text: EmptyText | None = None,
-    grid: TokenGrid = DEFAULT_GRID,
+    pack: Pack = build_token_batch,
     rows: slice | None = None,
     noise_scaling: NoiseScaling | None = None,
     token_shift: TokenShift = TOKEN_SHIFT_POINTS,
 ) -> torch.Tensor:
-    """The batch's mean weighted loss (`noise_scaling`: the model's, see `noisy_input`;
-    `token_shift`: the model family's points for the flux_shift sampler). `rows`
+    """The batch's mean weighted loss, on the tokens `pack` makes of the samples (the model
+    family's; by default plain 2x2 patches) (`noise_scaling`: the model's, see `noisy_input`; `token_shift`: the model family's points
+    for the flux_shift sampler). `rows`
     (data parallel, see `distributed`): `samples` is the global batch and this process trains
     only these rows. Every random draw is still made
     for the whole global batch (so each sample gets the draws it gets in one process) and the
@@ -92,9 +94,7 @@ def flow_matching_loss(
     # 1) pack targets and references (after reference dropout) into one token batch; references
     # stay clean
     samples = drop_references(samples, config.reference_dropout, generator)
-    clean = build_token_batch(
-        [s.target for s in samples], [s.references for s in samples], config.layout, grid
-    )
+    clean = pack([s.target for s in samples], [s.references for s in samples])
     batch, device = len(samples), clean.tokens.device
     # 2) one sigma per sample (the token shift depends on each sample's own target token count)
     sampler = config.sigma_sampler(token_shift)
@@ -163,8 +163,7 @@ def _runs_of_one_text_length(rows: list[int], texts) -> list[list[int]]:
 def fixed_noise_loss(
     predict: Predict,
     sample: Sample,
-    layout: str,
-    grid: TokenGrid,
+    pack: Pack,
     sigma: float,
     noise_seed: int,
     noise_scaling: NoiseScaling | None = None,
@@ -172,7 +171,7 @@ def fixed_noise_loss(
     """The unweighted flow loss of one sample at noise level `sigma` with the noise drawn from
     its own generator seeded by `noise_seed`: the same value for the same model, and no draw
     from any other random state (held-out validation)."""
-    clean = build_token_batch([sample.target], [sample.references], layout, grid)
+    clean = pack([sample.target], [sample.references])
     noise = torch.randn(clean.tokens.shape, generator=torch.Generator().manual_seed(noise_seed))
     sigmas = torch.tensor([float(sigma)])
     texts = [(sample.context, sample.pooled)]

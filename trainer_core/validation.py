@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 
 from .flow_step import Predict, Sample, fixed_noise_loss
-from .position_ids import TokenGrid
+from .token_batch import Pack
 
 # Spread over the range training draws from; the same for every run, so curves compare.
 VALIDATION_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -43,13 +43,13 @@ def noise_seed(seed: int, sample_index: int, sigma_index: int) -> int:
 def held_out_loss(
     predict: Predict,
     samples: Sequence[Sample],
-    layout: str,
-    grid: TokenGrid,
+    pack: Pack,
     seed: int,
     sigmas: Sequence[float] = VALIDATION_SIGMAS,
     noise_scaling=None,
 ) -> float:
-    """Mean flow loss over every held-out sample and every sigma in `sigmas` (`noise_scaling`:
+    """Mean flow loss over every held-out sample and every sigma in `sigmas`, on the tokens
+    `pack` (the model family's) makes of each (`noise_scaling`:
     the model's, see `objective.noisy_input`)."""
     if not samples:
         raise ValueError("validation needs held-out samples (LoadKontextDataset's hold_out)")
@@ -57,6 +57,6 @@ def held_out_loss(
     for i, sample in enumerate(samples):
         for j, sigma in enumerate(sigmas):
             total += float(
-                fixed_noise_loss(predict, sample, layout, grid, sigma, noise_seed(seed, i, j), noise_scaling)
+                fixed_noise_loss(predict, sample, pack, sigma, noise_seed(seed, i, j), noise_scaling)
             )
     return total / (len(samples) * len(sigmas))

@@ -24,6 +24,7 @@ import torch
 
 from ...trainer_core.lora_metadata import ModelNames
 from ...trainer_core.objective import TOKEN_SHIFT_POINTS, TokenShift
+from ...trainer_core.token_batch import TokenBatch
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,9 @@ class ModelFamily:
         return self.base_models[bool(references)]
 
     def resolve_layout(self, layout: str, diffusion_model) -> str:
-        """`auto` as the model's own layout (its `token_grid`'s: ComfyUI's default for it); any
+        """`auto` as the model's own layout (`default_layout`: ComfyUI's default for it); any
         other layout as it is."""
-        from ...trainer_core.position_ids import resolve_layout
-
-        return resolve_layout(layout, self.token_grid(diffusion_model))
+        return self.default_layout(diffusion_model) if layout == "auto" else str(layout)
 
     def check_layout(self, layout: str, diffusion_model=None) -> str:
         """The layout, if it fits the family (and, given the model, this ComfyUI runs it);
@@ -87,8 +86,16 @@ class ModelFamily:
         caption width) was not encoded for this model."""
         raise NotImplementedError
 
-    def token_grid(self, diffusion_model):
-        """Required. The `trainer_core.position_ids.TokenGrid`: patch size, RoPE axes, index step."""
+    def default_layout(self, diffusion_model) -> str:
+        """The layout ComfyUI samples the model with when the conditioning names none: what
+        `auto` means for it (default: the family's first)."""
+        return self.layouts[0]
+
+    def pack(self, diffusion_model, layout: str, targets, references) -> TokenBatch:
+        """Required. The samples' (C, [T,] H, W) target latents and their references as one
+        `trainer_core.token_batch.TokenBatch` (or a subclass carrying what else the model takes
+        with its tokens, such as FLUX's position ids in `layout`): the loss's tokens and
+        `predict`'s input."""
         raise NotImplementedError
 
     def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:

@@ -37,7 +37,6 @@ def core(pack):
             "lora_file": importlib.import_module(f"{name}.lora_file"),
             "lora_metadata": importlib.import_module(f"{name}.lora_metadata"),
             "validation": importlib.import_module(f"{name}.validation"),
-            "position_ids": importlib.import_module(f"{name}.position_ids"),
         },
     )
 
@@ -294,8 +293,7 @@ def test_held_out_loss_halves_and_the_reference_is_used(ft, core, family):
 
         def validate(data=held_out):
             with core.validation.evaluating(session.diffusion_model):
-                grid = core.position_ids.TokenGrid(*tiny.grid)
-                return core.validation.held_out_loss(session.predict, data, config.layout, grid, config.seed)
+                return core.validation.held_out_loss(session.predict, data, session.pack, config.seed)
 
         before = validate()
         batches = [training[i : i + 2] for i in range(0, len(training), 2)]
@@ -364,7 +362,7 @@ def test_the_session_samples_timesteps_with_its_familys_token_shift(ft, core, pa
         ours = s.loss(samples, torch.Generator().manual_seed(3))
         losses = {
             points: core.flow_step.flow_matching_loss(
-                s.predict, samples, config, torch.Generator().manual_seed(3), s.empty_text, s.grid,
+                s.predict, samples, config, torch.Generator().manual_seed(3), s.empty_text, s.pack,
                 noise_scaling=s.noise_scaling, token_shift=points,
             )
             for points in (qwen, objective.TOKEN_SHIFT_POINTS)

@@ -267,10 +267,9 @@ class TinyFamily:
     pooled: int  # pooled text width (0: none)
     layout: str  # the family's default reference layout
     vae: Callable  # (seed) -> a ComfyUI VAE for it
-    grid: tuple[int, int, float]  # TokenGrid(patch_size, axes, ref_index_scale)
 
 
 TINY_FAMILIES = {
-    "flux": TinyFamily("flux", tiny_flux_patcher, 16, 32, "offset", small_flux_vae, (2, 3, 1.0)),
-    "flux2": TinyFamily("flux2", tiny_flux2_patcher, 128, 0, "index", small_flux2_vae, (1, 4, 10.0)),
+    "flux": TinyFamily("flux", tiny_flux_patcher, 16, 32, "offset", small_flux_vae),
+    "flux2": TinyFamily("flux2", tiny_flux2_patcher, 128, 0, "index", small_flux2_vae),
 }

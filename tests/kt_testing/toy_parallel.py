@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -21,7 +22,7 @@ from trainer_core.config import TrainConfig
 from trainer_core.distributed import Collective
 from trainer_core.flow_step import EmptyText, Sample, flow_matching_loss
 from trainer_core.loop import DataOrder, train
-from trainer_core.position_ids import TokenGrid
+from trainer_core.token_batch import TokenBatch, build_token_batch
 
 CHANNELS, PATCH, TEXT_DIM, TEXT_TOKENS = 4, 2, 8, 3
 TOKEN_DIM = CHANNELS * PATCH * PATCH
@@ -59,6 +60,29 @@ def toy_samples() -> list[Sample]:
             )
         )
     return samples
+
+
+@dataclass
+class ToyTokens(TokenBatch):
+    """A family's own token batch: each token's (image, row, column), which `rows` must cut
+    with the tokens."""
+
+    ids: torch.Tensor = None  # (B, L, 3)
+
+
+def toy_pack(targets, references) -> ToyTokens:
+    batch = build_token_batch(targets, references, PATCH)
+    ids = torch.zeros(*batch.valid.shape, 3)
+    for i, shapes in enumerate(batch.shapes):
+        start = 0
+        for image, (_, height, width) in enumerate(shapes):
+            rows, cols = torch.meshgrid(
+                torch.arange(height // PATCH), torch.arange(width // PATCH), indexing="ij"
+            )
+            grid = torch.stack([torch.full_like(rows, image), rows, cols], dim=-1).reshape(-1, 3)
+            ids[i, start : start + len(grid)] = grid.float()
+            start += len(grid)
+    return ToyTokens(**{f: getattr(batch, f) for f in batch.__dataclass_fields__}, ids=ids)
 
 
 class ToyVelocity(torch.nn.Module):
@@ -100,7 +124,7 @@ def run(config: TrainConfig, collective: Collective | None = None) -> tuple[list
 
     def loss_fn(batch, generator):
         rows = collective.rows(len(batch), config.batch_size) if collective is not None else None
-        return flow_matching_loss(model, batch, config, generator, empty, TokenGrid(PATCH), rows)
+        return flow_matching_loss(model, batch, config, generator, empty, toy_pack, rows)
 
     result = train(
         config,

@@ -17,7 +17,6 @@ from kt_testing.toy_parallel import read_result, run, toy_buckets, toy_config, t
 from trainer_core.distributed import Collective, _buckets
 from trainer_core.flow_step import EmptyText, flow_matching_loss
 from trainer_core.loop import DataOrder
-from trainer_core.position_ids import TokenGrid
 
 
 @pytest.mark.parametrize(("world", "batch_size"), [(2, 1), (2, 2), (3, 1)])
@@ -55,7 +54,7 @@ def test_rows_share_the_global_draws_and_sum_to_the_global_loss():
 
     def loss(rows):
         generator = torch.Generator().manual_seed(5)
-        return flow_matching_loss(model, samples, config, generator, empty, TokenGrid(2), rows)
+        return flow_matching_loss(model, samples, config, generator, empty, toy_parallel.toy_pack, rows)
 
     whole = loss(None)
     parts = [loss(slice(0, 2)), loss(slice(2, 3)), loss(slice(3, 3))]

@@ -11,8 +11,7 @@ import torch
 from trainer_core.config import TrainConfig
 from trainer_core.flow_step import Sample
 from trainer_core.loop import ResumeState, train
-from trainer_core.position_ids import DEFAULT_GRID
-from trainer_core.token_batch import pack_latent
+from trainer_core.token_batch import build_token_batch, pack_latent
 from trainer_core.validation import VALIDATION_SIGMAS, evaluating, held_out_loss, noise_seed
 
 
@@ -40,7 +39,7 @@ def test_held_out_loss_by_hand():
     gen = torch.Generator().manual_seed(0)
     samples = [make_sample(gen), make_sample(gen, size=(2, 4))]
     predict = Scaled()
-    value = held_out_loss(predict, samples, "offset", DEFAULT_GRID, seed=7)
+    value = held_out_loss(predict, samples, build_token_batch, seed=7)
     expected = 0.0
     for i, sample in enumerate(samples):
         x0 = pack_latent(sample.target[None])[0]
@@ -54,15 +53,15 @@ def test_held_out_loss_by_hand():
     assert predict.sigmas == pytest.approx(list(VALIDATION_SIGMAS) * 2)
     # the same again (fixed noise) and no global random state used
     before = torch.get_rng_state()
-    assert held_out_loss(Scaled(), samples, "offset", DEFAULT_GRID, seed=7) == value
+    assert held_out_loss(Scaled(), samples, build_token_batch, seed=7) == value
     assert torch.equal(torch.get_rng_state(), before)
     # the seed picks the noise
-    assert held_out_loss(Scaled(), samples, "offset", DEFAULT_GRID, seed=8) != value
+    assert held_out_loss(Scaled(), samples, build_token_batch, seed=8) != value
 
 
 def test_held_out_loss_needs_samples():
     with pytest.raises(ValueError, match="hold_out"):
-        held_out_loss(Scaled(), [], "offset", DEFAULT_GRID, seed=0)
+        held_out_loss(Scaled(), [], build_token_batch, seed=0)
 
 
 def test_evaluating_turns_dropout_off_and_restores_each_modules_mode():

@@ -11,18 +11,20 @@ reference ids and the padded mixed-size batch.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from dataclasses import dataclass, field
 
 import torch
 
 from ....trainer_core.lora_metadata import ModelNames
-from ....trainer_core.position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS, TokenGrid
-from ....trainer_core.token_batch import TokenBatch, pack_latent
+from ....trainer_core.token_batch import pack_latent
 from ...comfy_quantized import stored_weight_bytes
 from .. import ModelFamily, register
 from . import blocks, lora_names, reference_ids
 from .lora_targets import target_module_names
+from .position_ids import LAYOUTS, TIMESTEP_ZERO_LAYOUTS, TokenGrid
+from .token_batch import FluxTokenBatch, build_token_batch
 from .vram import T5_TOKENS, FluxShape, estimate_vram
 
 # Models ComfyUI runs with the same Flux class (and `image_model`) that the pack does not train
@@ -140,7 +142,14 @@ class FluxFamily(ModelFamily):
             )
 
     def token_grid(self, diffusion_model) -> TokenGrid:
+        """The patch size, RoPE axes and index step of the model (its `FluxParams`)."""
         return reference_ids.token_grid(diffusion_model)
+
+    def default_layout(self, diffusion_model) -> str:
+        return self.token_grid(diffusion_model).default_layout
+
+    def pack(self, diffusion_model, layout: str, targets, references) -> FluxTokenBatch:
+        return build_token_batch(targets, references, layout, self.token_grid(diffusion_model))
 
     def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:
         return target_module_names(linear_names, preset)
@@ -183,7 +192,7 @@ class FluxFamily(ModelFamily):
         x = inputs.pop("x")
         return (x, torch.full((1,), 0.5, device=device)), inputs
 
-    def predict(self, session, batch: TokenBatch, timestep, context, pooled) -> torch.Tensor:
+    def predict(self, session, batch: FluxTokenBatch, timestep, context, pooled) -> torch.Tensor:
         """For a batch whose samples share their sizes, exactly the call `BaseModel._apply_model`
         makes (ComfyUI's Flux `forward` with `ref_latents` and `ref_latents_method`, through its
         wrappers and patches; inputs cast the same way); a padded mixed-size batch goes through
@@ -204,14 +213,13 @@ class FluxFamily(ModelFamily):
             guidance = torch.full((tokens.shape[0],), config.guidance, device=device, dtype=dtype)
         options = session.transformer_options()
         if not batch.is_uniform():
-            moved = TokenBatch(
-                tokens,
-                batch.ids.to(device),
-                batch.valid.to(device),
-                batch.target.to(device),
-                batch.target_sizes,
-                batch.grid,
-                batch.reference_sizes,
+            moved = dataclasses.replace(
+                batch,
+                tokens=tokens,
+                ids=batch.ids.to(device),
+                valid=batch.valid.to(device),
+                target=batch.target.to(device),
+                uniform_as=None,
             )
             return reference_ids.forward_token_batch(
                 diffusion_model, moved, timestep, context, pooled, guidance, options
@@ -228,11 +236,11 @@ class FluxFamily(ModelFamily):
             transformer_options=options,
             ref_latents_method=config.layout,
         )
-        packed = pack_latent(out, batch.grid.patch_size)
+        packed = pack_latent(out, batch.patch_size)
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
-    def _predict_one_by_one(self, session, batch: TokenBatch, timestep, context, pooled) -> torch.Tensor:
+    def _predict_one_by_one(self, session, batch: FluxTokenBatch, timestep, context, pooled) -> torch.Tensor:
         """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
         timestep batch for them, which a batch of several meets with one guidance value per
         sample and fails, and it takes one reference range for the whole batch, which padded

@@ -1,4 +1,4 @@
-"""The pack's reference ids in ComfyUI's Flux (`trainer_core.position_ids`).
+"""The pack's reference ids in ComfyUI's Flux (`position_ids`).
 
 `with_reference_ids(model)` returns a clone of a MODEL whose Flux image ids always come from
 our one implementation, for every layout, at inference (stock KSampler) and in training:
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from ....trainer_core.position_ids import TokenGrid, check_layout, image_position_ids, text_position_ids
-from ....trainer_core.token_batch import TokenBatch, attention_bias
+from .position_ids import TokenGrid, check_layout, image_position_ids, text_position_ids
+from .token_batch import FluxTokenBatch, attention_bias
 
 WRAPPER_KEY = "kontext_trainer.reference_ids"
 
@@ -102,7 +102,7 @@ def with_reference_ids(model):
 
 def forward_token_batch(
     diffusion_model,
-    batch: TokenBatch,
+    batch: FluxTokenBatch,
     timesteps: torch.Tensor,
     context: torch.Tensor,
     y: torch.Tensor | None,

@@ -18,13 +18,13 @@ import pytest
 import torch
 
 from kt_testing.executor import run_node
+from kt_testing.flux_ids import build_token_batch, flux2_grid, image_position_ids, text_position_ids
 from kt_testing.graphs import ksampler_inputs
 from kt_testing.probes import flux2_forward, flux2_inputs, tiny_samples
 from kt_testing.tiny_models import small_flux2_vae, tiny_flux2_patcher, tiny_flux_patcher
-from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
-from trainer_core.token_batch import build_token_batch
 
-FLUX2_GRID = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)  # from ComfyUI's detection
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
+
 # Latent (H, W) sizes of references of different sizes and aspect ratios (1x1 patches).
 REFERENCE_SETS = {
     1: [(8, 12)],
@@ -78,11 +78,11 @@ def test_ids_and_output_equal_comfyuis_own_flux2_forward(flux2, pack, layout, co
     with captured_ids(flux) as calls:
         expected = flux2_forward(flux, inputs, layout)
     (theirs,) = calls
-    ours = torch.cat([text_position_ids(1, 7, 4)[0], image_position_ids(target, refs, layout, FLUX2_GRID)])
+    ours = torch.cat([text_position_ids(1, 7, 4)[0], image_position_ids(target, refs, layout, flux2_grid())])
     assert theirs.shape == (1, 7 + 48 + sum(h * w for h, w in refs), 4)
     assert torch.equal(theirs[0], ours)
 
-    batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout, FLUX2_GRID)
+    batch = build_token_batch([inputs["x"][0]], [[r[0] for r in inputs["refs"]]], layout, flux2_grid())
     tokens = importlib.import_module(
         f"{pack.__name__}.comfy_adapter.families.flux.reference_ids"
     ).forward_token_batch(flux, batch, inputs["timestep"], inputs["context"], None, inputs["guidance"])
@@ -98,7 +98,7 @@ def test_mixed_size_flux2_batch_matches_each_sample_alone(flux2, pack):
     for single in singles[1:]:
         single["context"] = singles[0]["context"]
     batch = build_token_batch(
-        [s["x"][0] for s in singles], [[r[0] for r in s["refs"]] for s in singles], "index", FLUX2_GRID
+        [s["x"][0] for s in singles], [[r[0] for r in s["refs"]] for s in singles], "index", flux2_grid()
     )
     assert not batch.valid.all(), "the samples must really differ in length"
     tokens = importlib.import_module(
@@ -142,7 +142,7 @@ def test_training_prediction_is_comfyuis_sampling_call_with_its_text(ft, pack):
     context = pack.comfy_adapter.model_family.text_in(model.model)(sample.context)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=4.0, layout="index")
     with ft.lora_session(model, config) as session, torch.no_grad():
-        batch = build_token_batch([sample.target], [sample.references], "index", FLUX2_GRID)
+        batch = build_token_batch([sample.target], [sample.references], "index", flux2_grid())
         got = session.predict(batch, sigma, context[None], sample.pooled[None])
         unpadded = session.predict(batch, sigma, sample.context[None], sample.pooled[None])
     rows = expected.shape[-2] * expected.shape[-1]

@@ -300,7 +300,7 @@ def test_checkpointing_gives_the_same_gradients(ft, Sample):
 def test_padded_mixed_size_batch_equals_comfyui_call_per_sample(ft, Sample, pack):
     """The padded path (forward_orig + mask) must give each sample what ComfyUI's own Flux
     call gives it alone."""
-    token_batch = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch")
+    token_batch = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.flux.token_batch")
     model = tiny_flux_patcher(seed=8, dtype=torch.float64)
     first = tiny_samples(Sample, 1, 5, [(8, 6)], dtype=torch.float64)
     second = tiny_samples(Sample, 1, 6, [(4, 8), (2, 2)], dtype=torch.float64)
@@ -386,7 +386,7 @@ def test_no_full_size_weight_is_materialised(ft, Sample):
 def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
     """session.predict (zero-initialised LoRA) gives the velocity ComfyUI's own `apply_model`
     implies for the same input, references and guidance value: v = (x - denoised) / sigma."""
-    token_batch = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch")
+    token_batch = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.flux.token_batch")
     model = tiny_flux_patcher(seed=15, dtype=torch.float64)
     (sample,) = tiny_samples(Sample, 1, 16, [(8, 6), (6, 8)], dtype=torch.float64)
     config = ft.TrainConfig(rank=2, alpha=2.0, guidance=3.5, layout="index")
@@ -414,7 +414,7 @@ def test_training_prediction_is_comfyuis_sampling_call(ft, Sample, pack):
         other_guidance = ft.TrainConfig(rank=2, alpha=2.0, guidance=1.0, layout="index")
         session.config = other_guidance
         different = session.predict(batch, sigma, sample.context[None], sample.pooled[None])
-    target_tokens = token_batch.pack_latent(expected)
+    target_tokens = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch").pack_latent(expected)
     # apply_model casts the model output to float32 before forming `denoised`: fp32 tolerance.
     torch.testing.assert_close(got[:, : target_tokens.shape[1]], target_tokens, rtol=1e-5, atol=1e-6)
     assert (different[:, : target_tokens.shape[1]] - target_tokens).abs().max() > 1e-4  # guidance matters

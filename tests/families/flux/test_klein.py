@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import save_file
 
 from kt_testing.executor import InGraph, run_node
+from kt_testing.flux_ids import build_token_batch, flux2_grid, image_position_ids, text_position_ids
 from kt_testing.gradients import randomise_lora, worst_directional_error
 from kt_testing.klein import comfy_has_klein, klein_state, qwen3_clip, z_image_clip
 from kt_testing.probes import tiny_samples
-from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
-from trainer_core.token_batch import build_token_batch
 
-GRID = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
+
 REFERENCE_SETS = {1: [(8, 12)], 2: [(8, 8), (6, 10)], 3: [(10, 6), (4, 8), (8, 8)]}
 
 
@@ -95,14 +95,16 @@ def test_training_prediction_and_ids_equal_comfyuis_sampling_call(klein, pack, c
     expected = ((sample.target[None] - denoised) / sigma).flatten(2).transpose(1, 2)
     target = tuple(sample.target.shape[-2:])
     sizes = [tuple(r.shape[-2:]) for r in sample.references]
-    ours = torch.cat([text_position_ids(1, 512, 4)[0], image_position_ids(target, sizes, "index", GRID)])
+    ours = torch.cat(
+        [text_position_ids(1, 512, 4)[0], image_position_ids(target, sizes, "index", flux2_grid())]
+    )
     assert torch.equal(calls[0][0], ours)
 
     context = pack.comfy_adapter.model_family.text_in(klein.model)(sample.context)
     config = ft.TrainConfig(rank=2, alpha=2.0, layout="auto")
     with ft.lora_session(klein, config) as session, torch.no_grad():
         assert session.config.layout == "index"
-        batch = build_token_batch([sample.target], [sample.references], "index", GRID)
+        batch = build_token_batch([sample.target], [sample.references], "index", flux2_grid())
         got = session.predict(batch, sigma, context[None], sample.pooled[None])
     torch.testing.assert_close(got[:, : expected.shape[1]], expected, rtol=1e-4, atol=1e-5)
 

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from kt_testing.capture import captured_image_ids
-from trainer_core.position_ids import COMFY_NATIVE_LAYOUTS, TokenGrid, image_position_ids
-from trainer_core.token_batch import build_token_batch
+from kt_testing.flux_ids import COMFY_NATIVE_LAYOUTS, TokenGrid, build_token_batch, image_position_ids
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 # Latent (H, W) sizes; references of different sizes and aspect ratios.
 REFERENCE_SETS = {

@@ -20,13 +20,14 @@ import pytest
 import torch
 
 from kt_testing.executor import run_node
+from kt_testing.flux_ids import flux2_grid, image_position_ids, text_position_ids
 from kt_testing.gradients import randomise_lora, worst_directional_error
 from kt_testing.probes import flux2_forward, flux2_inputs, tiny_samples
 from kt_testing.tiny_models import small_flux2_vae, tiny_flux2_patcher, tiny_flux_patcher
-from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
 
 LAYOUT = "index_timestep_zero"
-FLUX2_GRID = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)
 
 
 def comfy_has_timestep_zero() -> bool:
@@ -94,7 +95,7 @@ def test_multi_image_conditioning_model_computes_comfyuis_own_timestep_zero_forw
     finally:
         hook.remove()
     expected_ids = torch.cat(
-        [text_position_ids(1, 7, 4)[0], image_position_ids((6, 8), [(8, 8), (6, 10)], "index", FLUX2_GRID)]
+        [text_position_ids(1, 7, 4)[0], image_position_ids((6, 8), [(8, 8), (6, 10)], "index", flux2_grid())]
     )
     assert len(seen) == 2 and torch.equal(seen[0][0], expected_ids) and torch.equal(seen[1][0], expected_ids)
     assert torch.equal(ours, theirs)
@@ -108,7 +109,7 @@ def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft,
     (its doubled timestep batch meets one guidance value per sample), one sample per forward."""
     import comfy.model_management
 
-    token_batch = importlib.import_module(f"{pack.__name__}.trainer_core.token_batch")
+    token_batch = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.flux.token_batch")
     model = tiny_flux2_patcher(seed=15, dtype=torch.float64)
     first = tiny_samples(Sample, 1, 16, [(8, 6), (6, 8)], torch.float64, channels=128, pooled=0)
     second = tiny_samples(Sample, 1, 17, [(4, 4), (6, 6)], torch.float64, (6, 4), channels=128, pooled=0)
@@ -133,7 +134,7 @@ def test_training_prediction_is_comfyuis_timestep_zero_sampling_call(on_033, ft,
         wanted = [expected(first[0], sigma[:1]), expected(second[0], sigma[1:])]
         samples = first + second
         batch = token_batch.build_token_batch(
-            [s.target for s in samples], [s.references for s in samples], LAYOUT, FLUX2_GRID
+            [s.target for s in samples], [s.references for s in samples], LAYOUT, flux2_grid()
         )
         assert not batch.is_uniform()
         context = torch.stack([text_in(s.context) for s in samples])

@@ -254,7 +254,6 @@ def family_for(pack):
 
     families = of_the_pack("comfy_adapter.families")
     trainable = of_the_pack("comfy_adapter.trainable_blocks")
-    TokenGrid = of_the_pack("trainer_core.position_ids").TokenGrid
     token_batch = of_the_pack("trainer_core.token_batch")
     Estimate = of_the_pack("trainer_core.vram").Estimate
     ModelNames = of_the_pack("trainer_core.lora_metadata").ModelNames
@@ -276,8 +275,8 @@ def family_for(pack):
             if sample.target.shape[0] != diffusion_model.in_channels:
                 raise ValueError(f"the dataset's latents do not fit this {self.title} MODEL")
 
-        def token_grid(self, diffusion_model):
-            return TokenGrid(diffusion_model.patch_size, 3, 1.0)
+        def pack(self, diffusion_model, layout, targets, references):
+            return token_batch.build_token_batch(targets, references, diffusion_model.patch_size)
 
         def lora_targets(self, linear_names, preset):
             layers = "|".join(map(re.escape, TARGETS[preset]))
@@ -317,7 +316,7 @@ def family_for(pack):
                 ref_latents=references or None,
                 transformer_options=session.transformer_options(),
             )
-            packed = token_batch.pack_latent(out, batch.grid.patch_size)
+            packed = token_batch.pack_latent(out, batch.patch_size)
             return torch.nn.functional.pad(packed, (0, 0, 0, tokens.shape[1] - packed.shape[1]))
 
         def vram_estimate(self, diffusion_model, dataset, config):

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .choices import Layout, choose
+from ....trainer_core.choices import Layout, choose
 
 LAYOUTS = tuple(layout for layout in Layout if layout is not Layout.AUTO)  # the ids layouts
 # Layouts every supported ComfyUI's Flux knows by name (its `ref_latents_method`), for FLUX.1
@@ -47,7 +47,7 @@ LatentSize = tuple[int, int]  # (height, width) of a latent, in latent pixels
 @dataclass(frozen=True)
 class TokenGrid:
     """How a model turns latents into tokens and ids (its family gives it:
-    `ModelFamily.token_grid`). The default: 2x2 patches, three RoPE axes (index, row, column),
+    `FluxFamily.token_grid`). The default: 2x2 patches, three RoPE axes (index, row, column),
     index steps of 1."""
 
     patch_size: int = 2

@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from trainer_core.position_ids import TokenGrid, image_position_ids, text_position_ids
+from kt_testing.flux_ids import TokenGrid, flux2_grid, image_position_ids, text_position_ids
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
+
 
 
 def hand_ids(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
@@ -93,7 +96,6 @@ def test_unknown_layout_is_refused_with_the_choices():
         image_position_ids((8, 8), [(8, 8)], "diagonal")
 
 
-FLUX2 = TokenGrid(patch_size=1, axes=4, ref_index_scale=10.0)
 
 
 def hand_ids4(rows: int, cols: int, index: float, row_off: int = 0, col_off: int = 0) -> torch.Tensor:
@@ -106,14 +108,14 @@ def hand_ids4(rows: int, cols: int, index: float, row_off: int = 0, col_off: int
 
 def test_flux2_index_layout_by_hand():
     # 1x1 patches: a latent of 3x4 is 3x4 tokens; references count up in steps of 10.
-    ids = image_position_ids((3, 4), [(2, 2), (1, 3)], "index", FLUX2)
+    ids = image_position_ids((3, 4), [(2, 2), (1, 3)], "index", flux2_grid())
     expected = torch.cat([hand_ids4(3, 4, 0.0), hand_ids4(2, 2, 10.0), hand_ids4(1, 3, 20.0)])
     assert torch.equal(ids, expected)
 
 
 def test_flux2_offset_layout_by_hand_counts_offsets_in_latent_pixels():
     # Two 2x2 references: the first at the origin, the second below (2 + 2 > 2 + 2 is false).
-    ids = image_position_ids((2, 2), [(2, 2), (2, 2)], "offset", FLUX2)
+    ids = image_position_ids((2, 2), [(2, 2), (2, 2)], "offset", flux2_grid())
     expected = torch.cat([hand_ids4(2, 2, 0.0), hand_ids4(2, 2, 1.0), hand_ids4(2, 2, 1.0, row_off=2)])
     assert torch.equal(ids, expected)
 
