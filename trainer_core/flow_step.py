@@ -82,9 +82,9 @@ def flow_matching_loss(
     token_shift: TokenShift = TOKEN_SHIFT_POINTS,
 ) -> torch.Tensor:
     """The batch's mean weighted loss, on the tokens `pack` makes of the samples (the model
-    family's; by default plain 2x2 patches) (`noise_scaling`: the model's, see `noisy_input`; `token_shift`: the model family's points
-    for the flux_shift sampler). `rows`
-    (data parallel, see `distributed`): `samples` is the global batch and this process trains
+    family's; by default plain 2x2 patches). `noise_scaling`: the model's, see `noisy_input`;
+    `token_shift`: the model family's points for the flux_shift sampler. `rows` (data
+    parallel, see `distributed`): `samples` is the global batch and this process trains
     only these rows. Every random draw is still made
     for the whole global batch (so each sample gets the draws it gets in one process) and the
     result is the rows' share of the global mean: their sum / the global batch size (a zero
