@@ -273,3 +273,33 @@ TINY_FAMILIES = {
     "flux": TinyFamily("flux", tiny_flux_patcher, 16, 32, "offset", small_flux_vae),
     "flux2": TinyFamily("flux2", tiny_flux2_patcher, 128, 0, "index", small_flux2_vae),
 }
+
+
+# ComfyUI's Qwen-Image transformer (`supported_models.QwenImage`) at small widths: 2 blocks of
+# two 16-wide heads (RoPE axes 4 + 6 + 6), text 32 wide, Wan 2.1's 16 latent channels in 2x2
+# patches (in_channels 64), as its detection would record them
+TINY_QWEN_IMAGE_CONFIG = {
+    "image_model": "qwen_image",
+    "in_channels": 64,
+    "num_layers": 2,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": (4, 6, 6),
+}
+
+
+def tiny_qwen_image_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, release: str = "2509"):
+    """A MODEL around a tiny Qwen-Image(-Edit) built by ComfyUI's own model config, as a loader
+    hands it over; `release` 2511 records `default_ref_method` `index_timestep_zero`, as ComfyUI
+    0.33's detection does for a file with the `__index_timestep_zero__` key."""
+    import comfy.supported_models
+
+    unet_config = dict(TINY_QWEN_IMAGE_CONFIG)
+    if release == "2511":
+        unet_config["default_ref_method"] = "index_timestep_zero"
+    model_config = comfy.supported_models.QwenImage(unet_config)
+    model_config.set_inference_dtype(dtype, None)
+    model = model_config.get_model({})
+    seeded_init_(model.diffusion_model, seed)
+    return flux_patcher(model.eval())
