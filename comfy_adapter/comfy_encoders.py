@@ -16,6 +16,7 @@ import torch
 
 from ..trainer_core.dataset import Encoders
 from ..trainer_core.fingerprint import structure_digest, weights_identity
+from .families import sample_encoder_for
 
 
 def vae_identity(vae) -> str:
@@ -67,4 +68,11 @@ def comfy_encoders(vae, clip) -> Encoders:
             return context[0].cpu(), torch.zeros(0)
         return context[0].cpu(), pooled[0].cpu()
 
-    return Encoders(encode_image, encode_text, vae_identity(vae), clip_identity(clip))
+    encoders = Encoders(encode_image, encode_text, vae_identity(vae), clip_identity(clip))
+    found = sample_encoder_for(vae, clip)
+    if found is not None:  # the family encodes whole samples (its text holds the images)
+        from .forward_guard import comfyui_version
+
+        encoders.encode_sample, family = found
+        encoders.sample_identity = f"{family} sample encoding, ComfyUI {comfyui_version()}"
+    return encoders

@@ -224,6 +224,7 @@ def lora_session(
         torch.manual_seed(config.seed)
         # (also here: the headless path, tests; `family`: the run's, resolved once for it)
         family = check_layout_fits(model, config.layout, family=family)
+        family.check_config(config)
         # `auto`: the model's own layout, from here on (ids, the guard, the session's config)
         own = family.resolve_layout(config.layout, model.model.diffusion_model)
         config = dataclasses.replace(config, layout=own)

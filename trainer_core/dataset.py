@@ -27,14 +27,26 @@ def _same(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+# (caption, the sample's reference images as read (H, W, 3) in [0, 1], whether to encode them as
+# latents too) -> the text's (T, D) context and (D,) pooled, and the reference latents the
+# conditioning carries (none when not asked)
+SampleEncoder = Callable[[str, list[np.ndarray], bool], tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]]
+
+
 @dataclass
 class Encoders:
     """The user's encoders, as plain callables (the node adapts ComfyUI's VAE and CLIP)."""
 
-    encode_image: Callable[[np.ndarray], torch.Tensor]  # (H, W, 3) float in [0, 1] -> (C, h, w)
+    encode_image: Callable[[np.ndarray], torch.Tensor]  # (H, W, 3) float in [0, 1] -> (C, [T,] h, w)
     encode_text: Callable[[str], tuple[torch.Tensor, torch.Tensor]]  # caption -> (T, D), (D,)
     image_identity: str  # changes when the VAE's weights change
     text_identity: str  # changes when the text encoder's weights change
+    # The model family's encoding of a whole sample, where its text depends on the reference
+    # images (Qwen-Image-Edit: ComfyUI's TextEncodeQwenImageEditPlus puts them into the text as
+    # vision tokens and resizes them for the VAE itself). None: the caption alone, each reference
+    # encoded as an image at `reference_resolution` (FLUX).
+    encode_sample: SampleEncoder | None = None
+    sample_identity: str = ""  # that encoding and the ComfyUI running it (part of its keys)
 
 
 @dataclass(frozen=True)
@@ -56,6 +68,7 @@ class DatasetEntry:
     reference_sizes: list[tuple[int, int]]
     text_key: str
     aspect_error: float = 0.0  # |the image's aspect ratio - its size's| (sd-scripts' bucket AR error)
+    empty_text_key: str = ""  # the sample's own empty prompt (`Encoders.encode_sample`); "": the dataset's
 
 
 @dataclass
@@ -103,16 +116,24 @@ class KontextDataset:
         diffusion model's space (ComfyUI's `process_latent_in`), `text_in` a caption's
         embedding to the model's context (FLUX.2 pads it)."""
         text = self.cache.load("text", entry.text_key)
+
+        def latent(key: str) -> torch.Tensor:  # `latent_in` takes a batch (Wan 2.1's per channel)
+            return latent_in(self.cache.load("latents", key)["latent"][None])[0]
+
         return Sample(
-            latent_in(self.cache.load("latents", entry.target_key)["latent"]),
+            latent(entry.target_key),
             text_in(text["context"]),
             text["pooled"],
-            [latent_in(self.cache.load("latents", key)["latent"]) for key in entry.reference_keys],
+            [latent(key) for key in entry.reference_keys],
+            self._empty(entry.empty_text_key, text_in) if entry.empty_text_key else None,
         )
 
-    def empty_text(self, text_in: Callable[[torch.Tensor], torch.Tensor] = _same) -> EmptyText:
-        text = self.cache.load("text", self.empty_text_key)
+    def _empty(self, key: str, text_in: Callable[[torch.Tensor], torch.Tensor]) -> EmptyText:
+        text = self.cache.load("text", key)
         return EmptyText(text_in(text["context"]), text["pooled"])
+
+    def empty_text(self, text_in: Callable[[torch.Tensor], torch.Tensor] = _same) -> EmptyText:
+        return self._empty(self.empty_text_key, text_in)
 
 
 def _image_key(path, size, settings, encoders) -> str:
@@ -140,7 +161,10 @@ def build_dataset(
             "at least one must remain for training"
         )
     captions = [read_caption(s.caption) for s in scan.samples]
-    total = sum(1 + len(s.references) for s in scan.samples) + len(set(captions)) + 1
+    if encoders.encode_sample is None:
+        total = sum(1 + len(s.references) for s in scan.samples) + len(set(captions)) + 1
+    else:  # per sample: its target, its text with its references, its empty prompt
+        total = 3 * len(scan.samples) + 1
     done = 0
     encoded = {"images": 0, "texts": 0}
     errors: dict = {}
@@ -173,12 +197,61 @@ def build_dataset(
         tick()
         return key
 
-    text_keys = {caption: text(caption) for caption in dict.fromkeys(captions)}
+    def with_references(files, caption: str) -> tuple[str, str, list[str]]:
+        """The family's encoding of the sample (`Encoders.encode_sample`): its text and empty
+        prompt with its reference images, and the references as its conditioning carries them.
+        Keyed by the caption, the reference files and every encoder, ComfyUI's version included."""
+        rule = (
+            encoders.sample_identity,
+            encoders.text_identity,
+            encoders.image_identity,
+            settings.background,
+        )
+        files_key = [file_digest(path) for path in files.references]
+        text_key, empty_key = (cache_key("sample text", c, files_key, *rule) for c in (caption, ""))
+        ref_keys = [cache_key("sample reference", i, files_key, *rule) for i in range(len(files.references))]
+        pixels = None
+
+        def images() -> list[np.ndarray]:
+            nonlocal pixels
+            if pixels is None:
+                pixels = [read_image(path, settings.background).pixels for path in files.references]
+            return pixels
+
+        if not cache.has("text", text_key) or not all(cache.has("latents", key) for key in ref_keys):
+            context, pooled, latents = encoders.encode_sample(caption, images(), True)
+            cache.put("text", text_key, {"context": context, "pooled": pooled})
+            for key, latent in zip(ref_keys, latents, strict=True):
+                cache.put("latents", key, {"latent": latent})
+            encoded["texts"] += 1
+            encoded["images"] += len(latents)
+        tick()
+        if not cache.has("text", empty_key):  # the empty prompt keeps the images (not re-encoded)
+            context, pooled, _ = encoders.encode_sample("", images(), False)
+            cache.put("text", empty_key, {"context": context, "pooled": pooled})
+            encoded["texts"] += 1
+        tick()
+        return text_key, empty_key, ref_keys
+
+    per_sample = encoders.encode_sample is not None
+    text_keys = {} if per_sample else {caption: text(caption) for caption in dict.fromkeys(captions)}
     empty_key = text("")
     entries = []
     for files, caption in zip(scan.samples, captions, strict=True):
         target_key, target_size = image(files.target, settings.resolution)
-        refs = [image(path, settings.reference_resolution) for path in files.references]
+        if per_sample:
+            text_key, own_empty, ref_keys = with_references(files, caption)
+            # the size the family's encoding gave each reference, at the target's pixels per latent
+            scale = target_size[0] / cache.shape("latents", target_key, "latent")[-1]
+            shapes = [cache.shape("latents", key, "latent")[-2:] for key in ref_keys]
+            refs = [
+                (key, (round(w * scale), round(h * scale)))
+                for key, (h, w) in zip(ref_keys, shapes, strict=True)
+            ]
+            text_keys[caption + "\0" + files.name] = text_key
+        else:
+            refs = [image(path, settings.reference_resolution) for path in files.references]
+            text_key, own_empty = text_keys[caption], ""
         entries.append(
             DatasetEntry(
                 files.name,
@@ -187,8 +260,9 @@ def build_dataset(
                 target_size,
                 [key for key, _ in refs],
                 [size for _, size in refs],
-                text_keys[caption],
+                text_key,
                 errors[files.target],
+                own_empty,
             )
         )
     held = set(

@@ -31,6 +31,14 @@ from .token_batch import Pack, TokenBatch, build_token_batch
 
 
 @dataclass
+class EmptyText:
+    """The cached empty-prompt embedding that caption dropout swaps in."""
+
+    context: torch.Tensor  # (T, D)
+    pooled: torch.Tensor  # (D,)
+
+
+@dataclass
 class Sample:
     """One training example. Latents are in the diffusion model's space, i.e. VAE latents
     after ComfyUI's `model.process_latent_in` (Flux: (z - shift) * scale), as sampling sees
@@ -40,14 +48,9 @@ class Sample:
     context: torch.Tensor  # (T, D) text embedding of the caption
     pooled: torch.Tensor  # (D,) pooled text embedding
     references: list[torch.Tensor] = field(default_factory=list)  # clean reference latents, same rank
-
-
-@dataclass
-class EmptyText:
-    """The cached empty-prompt embedding that caption dropout swaps in."""
-
-    context: torch.Tensor  # (T, D)
-    pooled: torch.Tensor  # (D,)
+    # the sample's own empty prompt for caption dropout (a family whose empty prompt keeps the
+    # sample's images: Qwen-Image-Edit's); None: the dataset's one empty prompt
+    empty: EmptyText | None = None
 
 
 Predict = Callable[[TokenBatch, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -108,10 +111,11 @@ def flow_matching_loss(
     texts = [(s.context, s.pooled) for s in samples]
     drop_draw = torch.rand(batch, generator=generator)
     if config.caption_dropout > 0:
-        if empty_text is None:
+        empties = [s.empty or empty_text for s in samples]
+        if any(empty is None for empty in empties):
             raise ValueError("caption dropout needs the cached empty-prompt embedding")
-        empty = (empty_text.context.to(texts[0][0]), empty_text.pooled.to(texts[0][1]))
-        texts = apply_caption_dropout(texts, empty, caption_dropout_mask(drop_draw, config.caption_dropout))
+        empties = [(e.context.to(t[0]), e.pooled.to(t[1])) for e, t in zip(empties, texts, strict=True)]
+        texts = apply_caption_dropout(texts, empties, caption_dropout_mask(drop_draw, config.caption_dropout))
     weights = loss_weights(sigma, config.loss_weighting)
     # 5) the rows this process trains (data parallel: its share of the global batch), in runs of
     # consecutive rows whose captions encoded to one length (a model without a text mask takes

@@ -143,7 +143,10 @@ def caption_dropout_mask(uniform: torch.Tensor, probability: float) -> torch.Ten
 
 
 def apply_caption_dropout(texts: list, empty, drop: torch.Tensor) -> list:
-    """Per sample, the cached empty-prompt embedding where `drop` is True, else its own
-    (context, pooled). Per sample, not per batch tensor: ComfyUI's T5 keeps captions over 256
-    tokens longer than the empty prompt, and a batch of one must still work."""
-    return [empty if dropped else text for text, dropped in zip(texts, drop.tolist(), strict=True)]
+    """Per sample, the empty-prompt embedding where `drop` is True, else its own (context,
+    pooled). `empty`: one for every sample, or a list of each sample's own (a family whose empty
+    prompt keeps the sample's reference images: Qwen-Image-Edit's). Per sample, not per batch
+    tensor: ComfyUI's T5 keeps captions over 256 tokens longer than the empty prompt, and a
+    batch of one must still work."""
+    empties = empty if isinstance(empty, list) else [empty] * len(texts)
+    return [e if dropped else text for text, e, dropped in zip(texts, empties, drop.tolist(), strict=True)]

@@ -54,10 +54,23 @@ def unpack_tokens(tokens: torch.Tensor, shape: LatentShape, patch_size: int = 2)
     return flat.reshape(tokens.shape[0], channels, *lead, height, width)
 
 
+def whole_patches(shape: LatentShape, patch_size: int) -> LatentShape:
+    """`shape` with its last two sides rounded up to whole patches (a padded latent's shape)."""
+    *lead, height, width = shape
+    return (*lead, -(-height // patch_size) * patch_size, -(-width // patch_size) * patch_size)
+
+
 def token_count(shape: LatentShape, patch_size: int) -> int:
-    """How many tokens a latent of `shape` (C, *lead, H, W) packs into."""
-    *_, height, width = shape
+    """How many tokens a latent of `shape` (C, *lead, H, W) packs into (padded to whole patches)."""
+    *_, height, width = whole_patches(shape, patch_size)
     return math.prod(shape[1:-2]) * (height // patch_size) * (width // patch_size)
+
+
+def _unpack(tokens: torch.Tensor, shape: LatentShape, patch_size: int) -> torch.Tensor:
+    """`unpack_tokens` for a latent of `shape` that may have been padded to whole patches: the
+    padding cut off again."""
+    height, width = shape[-2:]
+    return unpack_tokens(tokens, whole_patches(shape, patch_size), patch_size)[..., :height, :width]
 
 
 @dataclass
@@ -69,6 +82,7 @@ class TokenBatch:
     valid: torch.Tensor  # (B, L) bool: a real token (target or reference)
     target: torch.Tensor  # (B, L) bool: a target token (what the loss sees)
     shapes: list[list[LatentShape]]  # per sample: the target's latent shape, then each reference's
+    # (as given: a side that is not whole patches was padded by the family's `pad` to pack it)
     patch_size: int = 2
     uniform_as: bool | None = None  # rows of a larger batch: that batch's answer (`rows`)
 
@@ -118,14 +132,14 @@ class TokenBatch:
         pieces, start = [], 0
         for shape in self.shapes[0]:
             count = token_count(shape, self.patch_size)
-            pieces.append(unpack_tokens(tokens[:, start : start + count], shape, self.patch_size))
+            pieces.append(_unpack(tokens[:, start : start + count], shape, self.patch_size))
             start += count
         return pieces[0], pieces[1:]
 
     def target_latents(self, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Per sample, the target tokens of `tokens` (B, L, D) unpacked to the target's shape."""
         return [
-            unpack_tokens(tokens[i, self.target[i]][None], shapes[0], self.patch_size)[0]
+            _unpack(tokens[i, self.target[i]][None], shapes[0], self.patch_size)[0]
             for i, shapes in enumerate(self.shapes)
         ]
 
@@ -139,15 +153,21 @@ def build_token_batch(
     references: Sequence[Sequence[torch.Tensor]],
     patch_size: int = 2,
     pad_value: float = 0.0,
+    pad: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> TokenBatch:
-    """Pack per-sample (C, *lead, H, W) targets and their references into one padded batch."""
+    """Pack per-sample (C, *lead, H, W) targets and their references into one padded batch.
+    `pad`: the model's own padding of a (1, C, *lead, H, W) latent whose sides are not whole
+    patches (ComfyUI's `pad_to_patch_size`); without it such a latent is refused."""
     if len(targets) != len(references):
         raise ValueError(f"{len(targets)} targets but {len(references)} reference lists")
     if not targets:
         raise ValueError("an empty batch")
     token_rows, target_lengths = [], []
     for target, refs in zip(targets, references, strict=True):
-        pieces = [pack_latent(latent[None], patch_size)[0] for latent in (target, *refs)]
+        pieces = [
+            pack_latent(latent[None] if pad is None else pad(latent[None]), patch_size)[0]
+            for latent in (target, *refs)
+        ]
         token_rows.append(torch.cat(pieces, dim=0))
         target_lengths.append(pieces[0].shape[0])
     longest = max(rows.shape[0] for rows in token_rows)

@@ -145,6 +145,15 @@ class ModelFamily:
         """Required. The `trainer_core.vram.Estimate` of a run, shown before training starts."""
         raise NotImplementedError
 
+    def sample_encoder(self, vae, clip):
+        """The family's encoding of a whole sample (`trainer_core.dataset.SampleEncoder`) where
+        `clip` is its text encoder and its text depends on the reference images; None (the
+        default) where the caption alone is the text and each reference an image."""
+        return None
+
+    def check_config(self, config) -> None:
+        """Raise ValueError naming the fix for a setting the family cannot train with."""
+
     def file_notes(self, config) -> list[str]:
         """What a run with `config` should know about its LoRA file in other tools (shown on
         the node's progress line and logged); none by default."""
@@ -200,6 +209,17 @@ def entry_for(unet_config: dict, what: str = "this MODEL") -> ModelFamily:
             "with the stock loaders"
         )
     return max(matching, key=lambda family: len(family.detects))  # the first of the most specific
+
+
+def sample_encoder_for(vae, clip):
+    """(the encoder, the family's title) of the first family that encodes whole samples with
+    `clip` (`ModelFamily.sample_encoder`), or None: LoadKontextDataset learns the family from
+    its CLIP, as it has no MODEL."""
+    for family in _all():
+        encoder = family.sample_encoder(vae, clip)
+        if encoder is not None:
+            return encoder, family.title
+    return None
 
 
 def refuse_variant(family: ModelFamily, variant: str | None, what: str = "this MODEL") -> None:

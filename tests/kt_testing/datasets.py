@@ -73,3 +73,28 @@ class CountingEncoders:
         from trainer_core.dataset import Encoders
 
         return Encoders(self.encode_image, self.encode_text, self.image_identity, self.text_identity)
+
+
+class SampleEncoders(CountingEncoders):
+    """`CountingEncoders` with a family's whole-sample encoding (`Encoders.encode_sample`, as
+    Qwen-Image-Edit's): the text is the caption's embedding followed by one token per reference
+    image (its mean colour), and each reference comes back as a 5-D latent (16, 1, h/8, w/8)."""
+
+    def __init__(self, *args, sample_identity: str = "sample-a", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.sample_calls: list[tuple[str, int, bool]] = []  # (caption, images, with references)
+        self.sample_identity = sample_identity
+
+    def encode_sample(self, caption: str, images: list[np.ndarray], with_references: bool):
+        self.sample_calls.append((caption, len(images), with_references))
+        context, pooled = CountingEncoders.encode_text(self, caption)
+        self.text_calls -= 1  # counted as a sample call
+        tokens = [torch.from_numpy(image.mean(axis=(0, 1))).float().repeat(3)[:8] for image in images]
+        latents = [self.encode_image(image)[:, None] for image in images] if with_references else []
+        self.image_calls -= len(latents)
+        return torch.cat([context, *(t[None] for t in tokens)]), pooled, latents
+
+    def bundle(self):
+        encoders = super().bundle()
+        encoders.encode_sample, encoders.sample_identity = self.encode_sample, self.sample_identity
+        return encoders

@@ -276,15 +276,15 @@ TINY_FAMILIES = {
 
 
 # ComfyUI's Qwen-Image transformer (`supported_models.QwenImage`) at small widths: 2 blocks of
-# two 16-wide heads (RoPE axes 4 + 6 + 6), text 32 wide, Wan 2.1's 16 latent channels in 2x2
-# patches (in_channels 64), as its detection would record them
+# two 16-wide heads (RoPE axes 4 + 6 + 6), text 64 wide (the tiny Qwen2.5-VL's), Wan 2.1's 16
+# latent channels in 2x2 patches (in_channels 64), as its detection would record them
 TINY_QWEN_IMAGE_CONFIG = {
     "image_model": "qwen_image",
     "in_channels": 64,
     "num_layers": 2,
     "attention_head_dim": 16,
     "num_attention_heads": 2,
-    "joint_attention_dim": 32,
+    "joint_attention_dim": 64,
     "axes_dims_rope": (4, 6, 6),
 }
 

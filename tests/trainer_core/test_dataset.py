@@ -8,7 +8,7 @@ import dataclasses
 import pytest
 import torch
 
-from kt_testing.datasets import CountingEncoders, color_image, write_one_folder
+from kt_testing.datasets import CountingEncoders, SampleEncoders, color_image, write_one_folder
 from trainer_core.dataset import DatasetSettings, build_dataset
 from trainer_core.dataset_files import scan_dataset
 from trainer_core.encode_cache import EncodeCache
@@ -123,3 +123,41 @@ def test_progress_reaches_the_total(folder, tmp_path):
         progress=lambda done, total: seen.append((done, total)),
     )
     assert seen[-1] == (12, 12) and [d for d, _ in seen] == list(range(1, 13))
+
+
+def test_a_familys_whole_sample_encoding_is_cached_per_sample_with_its_own_empty_prompt(folder, tmp_path):
+    """`Encoders.encode_sample` (Qwen-Image-Edit's encoder node): each sample's text with its
+    references, and its empty prompt with the same images but no latents; the references are the
+    encoding's own latents (5-D here), keyed by the reference files, the caption and every
+    encoder; each change re-encodes exactly its samples."""
+    cache = tmp_path / "cache"
+    encoders = SampleEncoders()
+    dataset = build(folder, cache, encoders, resolution=64, reference_resolution=32)
+    assert sorted(encoders.sample_calls) == sorted(
+        [("make a blue", 2, True), ("make b blue", 2, True), ("make a blue", 2, True)] + [("", 2, False)] * 3
+    )  # a and c share a caption, not their images
+    assert (encoders.image_calls, encoders.text_calls) == (3, 1)  # the targets; the dataset's empty prompt
+    a, b = (dataset.sample(e) for e in dataset.entries[:2])
+    assert a.references[0].shape == (16, 1, 8, 12)  # the encoding's own, at the file's 96 x 64
+    assert dataset.entries[0].reference_sizes == [(96, 64), (96, 64)]
+    assert a.context.shape == (4 + 2, 8) and not torch.equal(a.empty.context, b.empty.context)
+    assert torch.equal(a.empty.context[:4], CountingEncoders().encode_text("")[0])  # "" with a's images
+    assert torch.equal(a.empty.context[4:], a.context[4:])
+
+    def rebuild(**changes):
+        encoders = SampleEncoders(**changes)
+        build(folder, cache, encoders, resolution=64, reference_resolution=32)
+        return sorted(encoders.sample_calls), encoders.image_calls
+
+    assert rebuild() == ([], 0)
+    color_image(96, 64, seed=77).save(folder / "b_control_1.png")  # b's text and empty prompt
+    assert rebuild() == ([("", 2, False), ("make b blue", 2, True)], 0)
+    (folder / "b.txt").write_text("make b red", encoding="utf-8")  # b's text only
+    assert rebuild() == ([("make b red", 2, True)], 0)
+    for change in (
+        {"sample_identity": "another ComfyUI"},
+        {"text_identity": "text-b"},
+        {"image_identity": "vae-b"},
+    ):
+        calls, _images = rebuild(**change)
+        assert len(calls) == 6, change

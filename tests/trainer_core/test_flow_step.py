@@ -7,6 +7,7 @@ independent generator with the same seed reproduces them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -207,6 +208,22 @@ def test_caption_dropout_works_when_the_empty_prompt_has_another_length():
     recorder = Recorder()
     flow_matching_loss(recorder, long_caption, TrainConfig(caption_dropout=1.0), torch.Generator(), empty)
     assert recorder.context.shape == (1, 3, 8)
+
+
+def test_a_dropped_caption_takes_the_samples_own_empty_prompt_where_it_has_one():
+    """Qwen-Image-Edit's empty prompt keeps the sample's images: each sample's own, and the
+    dataset's one for a sample without."""
+    gen = torch.Generator().manual_seed(12)
+    samples = [make_sample(gen), make_sample(gen)]
+    samples[0] = dataclasses.replace(
+        samples[0], empty=EmptyText(torch.full((3, 8), 1.0), torch.full((5,), 2.0))
+    )
+    shared = EmptyText(torch.full((3, 8), 3.0), torch.full((5,), 4.0))
+    recorder = Recorder()
+    flow_matching_loss(recorder, samples, TrainConfig(caption_dropout=1.0), torch.Generator(), shared)
+    assert recorder.context[0].eq(1.0).all() and recorder.context[1].eq(3.0).all()
+    with pytest.raises(ValueError, match="caption dropout needs the cached empty-prompt embedding"):
+        flow_matching_loss(Recorder(), samples, TrainConfig(caption_dropout=1.0), torch.Generator())
 
 
 def test_reference_dropout_draws_first_and_drops_whole_samples_references():

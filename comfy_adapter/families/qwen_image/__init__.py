@@ -33,7 +33,7 @@ from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
 from ....trainer_core.token_batch import TokenBatch, build_token_batch, pack_latent
 from .. import ModelFamily
-from . import blocks
+from . import blocks, encoding
 
 IMAGE_MODEL = "qwen_image"
 TIMESTEP_ZERO = "index_timestep_zero"
@@ -117,8 +117,29 @@ class QwenImageFamily(ModelFamily):
                 f"{self.title} MODEL takes {width}: give LoadKontextDataset the {self.text_encoder}"
             )
 
+    def sample_encoder(self, vae, clip):
+        return encoding.sample_encoder(vae, clip) if encoding.encodes_for_qwen_image(clip) else None
+
+    def check_config(self, config) -> None:
+        if config.reference_dropout > 0:
+            raise ValueError(
+                f"reference_dropout does not fit {self.title} yet: its text holds the reference "
+                "images (vision tokens), so a sample without them needs a text of its own. Set "
+                "reference_dropout to 0"
+            )
+
     def pack(self, diffusion_model, layout: str, targets, references) -> TokenBatch:
-        return build_token_batch(targets, references, diffusion_model.patch_size)
+        """The generic packing; a latent whose sides are not whole patches (the encoder node sizes
+        references in multiples of 8 px) padded as ComfyUI's `process_img` pads it for the
+        tokens, and handed to the model as it is (`split_latents` cuts the padding off)."""
+        import comfy.ldm.common_dit
+
+        patch = diffusion_model.patch_size
+
+        def pad(latent):
+            return comfy.ldm.common_dit.pad_to_patch_size(latent, (1, patch, patch))
+
+        return build_token_batch(targets, references, patch, pad=pad)
 
     def lora_targets(self, linear_names: list[str], preset: str) -> list[str]:
         """The preset's layers of every block, but those only the last block's text output depends

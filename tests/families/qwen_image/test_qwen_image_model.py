@@ -34,21 +34,6 @@ needs_033 = pytest.mark.skipif(
 
 
 @pytest.fixture(scope="module")
-def qwen(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.families.qwen_image")
-
-
-@pytest.fixture
-def registered(pack, qwen):
-    families = pack.comfy_adapter.families
-    for entry in qwen.ENTRIES:
-        families.register(entry)
-    yield qwen
-    for entry in qwen.ENTRIES:
-        families.unregister(entry)
-
-
-@pytest.fixture(scope="module")
 def ft(pack):
     return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
 

@@ -1,0 +1,103 @@
+"""Qwen-Image-Edit's data side (issue 43 item 1): a sample is encoded as sampling encodes it.
+LoadKontextDataset, in ComfyUI's executor with the tiny Qwen2.5-VL text encoder and Wan 2.1 VAE
+built by ComfyUI's classes (`kt_testing.qwen_image`), learns the family from its CLIP and runs
+ComfyUI's `TextEncodeQwenImageEditPlus` on each caption with the sample's reference images: the
+cached text (vision tokens included) and reference latents are exactly what that node gives in
+a graph; the empty prompt keeps the images; a second pass encodes nothing; and the tiny
+Qwen-Image trains a step on what was cached."""
+
+from __future__ import annotations
+
+import importlib
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageOps
+
+from kt_testing.datasets import write_one_folder
+from kt_testing.executor import InGraph, run_node
+from kt_testing.gradients import randomise_lora
+from kt_testing.graphs import cache_name, dataset_inputs
+from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip
+from kt_testing.tiny_models import tiny_qwen_image_patcher
+
+pytestmark = pytest.mark.usefixtures("comfy_runtime")
+
+
+@pytest.fixture(scope="module")
+def encoders():
+    return tiny_qwen_image_clip(seed=2), small_wan_vae(seed=1)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return write_one_folder(tmp_path_factory.mktemp("qwen") / "set", ["a", "b"], references=1, size=(64, 48))
+
+
+@pytest.fixture(scope="module")
+def built(registered, encoders, folder, tmp_path_factory):
+    clip, vae = encoders
+    inputs = dataset_inputs(InGraph(lambda: vae), InGraph(lambda: clip), folder, cache_name(tmp_path_factory))
+    first = run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
+    again = run_node("KontextTrainer_LoadKontextDataset", inputs).outputs[0]
+    return first, again
+
+
+def load_image(path) -> torch.Tensor:
+    """The IMAGE the stock LoadImage gives for an opaque RGB file."""
+    with Image.open(path) as image:
+        pixels = np.asarray(ImageOps.exif_transpose(image).convert("RGB"), dtype=np.float32) / 255.0
+    return torch.from_numpy(pixels)[None]
+
+
+def stock_encoding(clip, vae, prompt: str, reference) -> tuple:
+    """ComfyUI's node in its executor: (context, reference latents)."""
+    inputs = {
+        "clip": InGraph(lambda: clip),
+        "prompt": prompt,
+        "image1": InGraph(lambda: load_image(reference)),
+    }
+    if vae is not None:
+        inputs["vae"] = InGraph(lambda: vae)
+    ((context, extras),) = run_node("TextEncodeQwenImageEditPlus", inputs).outputs[0]
+    return context[0], [latent[0] for latent in extras.get("reference_latents", [])]
+
+
+def test_each_sample_is_what_comfyuis_encoder_node_gives_in_a_graph(built, encoders, folder):
+    clip, vae = encoders
+    dataset, again = built
+    assert dataset.encoded_texts == 2 * 2 + 1  # each sample's text and empty prompt, the dataset's empty
+    assert dataset.encoded_images == 2 + 2  # the targets, and one reference each (by the node)
+    assert again.encoded_texts == 0 and again.encoded_images == 0
+    for entry in dataset.entries[:1]:  # (each stock call encodes the reference at 1 MP again)
+        reference = folder / f"{entry.name}_control.png"
+        context, (latent,) = stock_encoding(clip, vae, entry.caption, reference)
+        sample = dataset.sample(entry)
+        assert torch.equal(sample.context, context)
+        (ours,) = sample.references
+        assert ours.shape == latent.shape and ours.shape[:2] == (16, 1)  # 5-D: Wan 2.1's, at about 1 MP
+        assert torch.equal(ours, latent)
+        # the empty prompt keeps the picture: the node with "" and the same image
+        empty, _ = stock_encoding(clip, None, "", reference)
+        assert torch.equal(sample.empty.context, empty)
+        # the vision tokens are in the text: without the image the caption encodes shorter
+        plain = clip.encode_from_tokens_scheduled(clip.tokenize(entry.caption))[0][0]
+        assert context.shape[0] > plain.shape[1] + 20
+
+
+def test_the_tiny_qwen_image_trains_a_step_on_the_cached_samples(built, registered, pack):
+    """What the dataset cached, through ComfyUI's latent format, is what the model takes: one
+    step of the loss with caption dropout (each sample's own empty prompt) and a gradient."""
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
+    training_run = importlib.import_module(f"{pack.__name__}.comfy_adapter.model_view")
+    dataset, _ = built
+    model = tiny_qwen_image_patcher(seed=3)
+    samples = [dataset.sample(e, latent_in=training_run.latent_in(model)) for e in dataset.entries]
+    config = ft.TrainConfig(rank=2, alpha=2.0, caption_dropout=0.5, batch_size=2)
+    with ft.lora_session(model, config) as session:
+        randomise_lora(session, seed=1)
+        loss = session.loss(samples, torch.Generator().manual_seed(0))
+        grads = torch.autograd.grad(loss, session.lora.parameters())
+    assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
+    assert sum(float(g.abs().sum()) for g in grads) > 0
