@@ -46,17 +46,22 @@ def model_output(
     pooled: int = 32,
     transformer_options: dict | None = None,
     channels: int = 16,
+    frames: int | None = None,
 ) -> torch.Tensor:
     """Load `model` the normal way, then ComfyUI's `apply_model` on a fixed input (draws: the
     latent, each reference, the context, the pooled vector) with the patcher's options.
-    FLUX.2: channels=128, pooled=0 (no pooled vector)."""
+    FLUX.2: channels=128, pooled=0 (no pooled vector). Qwen-Image: frames=1 (5-D latents, no
+    guidance input), pooled=0."""
     import comfy.model_management
 
     comfy.model_management.load_models_gpu([model])
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, channels, 8, 8, generator=gen)
-    refs = [torch.randn(1, channels, *size, generator=gen) for size in references]
-    cond = {"c_crossattn": torch.randn(1, *text, generator=gen), "guidance": torch.tensor([1.0])}
+    lead = (channels,) if frames is None else (channels, frames)
+    x = torch.randn(1, *lead, 8, 8, generator=gen)
+    refs = [torch.randn(1, *lead, *size, generator=gen) for size in references]
+    cond = {"c_crossattn": torch.randn(1, *text, generator=gen)}
+    if frames is None:
+        cond["guidance"] = torch.tensor([1.0])
     if pooled:
         cond["y"] = torch.randn(1, pooled, generator=gen)
     if refs:

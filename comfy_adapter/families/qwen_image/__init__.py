@@ -33,7 +33,7 @@ from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
 from ....trainer_core.token_batch import TokenBatch, build_token_batch, pack_latent
 from .. import ModelFamily
-from . import blocks, encoding
+from . import blocks, encoding, vram
 
 IMAGE_MODEL = "qwen_image"
 TIMESTEP_ZERO = "index_timestep_zero"
@@ -208,7 +208,22 @@ class QwenImageFamily(ModelFamily):
         return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
     def vram_estimate(self, diffusion_model, dataset, config):
-        raise NotImplementedError(f"the pack has no VRAM estimate for {self.title} yet")
+        from ...comfy_quantized import stored_weight_bytes
+
+        itemsize = stored_weight_bytes(diffusion_model.transformer_blocks[0].attn.to_q)
+        loaded = {1: "fp8", 2: "bf16"}.get(itemsize, "fp32")
+        return vram.estimate_vram(
+            vram.QwenShape.of(diffusion_model),
+            resolution=dataset.settings.resolution,
+            references=dataset.reference_count,
+            text_tokens=dataset.text_tokens,
+            batch=config.batch_size,
+            rank=config.rank,
+            weight_format="fp8_scaled" if config.fp8_mode == "fp8_scaled" else loaded,
+            blocks_to_swap=config.blocks_to_swap,
+            gradient_checkpointing=config.gradient_checkpointing,
+            optimizer=config.optimizer,
+        )
 
 
 # musubi-tuner's names (qwen_image_train_network.py --model_version edit-2509 / edit-2511)

@@ -101,3 +101,52 @@ def test_the_tiny_qwen_image_trains_a_step_on_the_cached_samples(built, register
         grads = torch.autograd.grad(loss, session.lora.parameters())
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
+
+
+def test_trainlora_trains_qwen_image_edit_and_the_stock_loader_applies_every_key(
+    built, registered, pack, caplog
+):
+    """The user's node in ComfyUI's executor: TrainLoRA on the Qwen dataset and the tiny
+    Qwen-Image (layout auto: 2509's `index`; checkpointed, a block swapped, caption dropout), two
+    steps; the LoRA's metadata names the model as musubi-tuner does; the stock
+    LoraLoaderModelOnly applies every key of it (its output is the trained MODEL's)."""
+    import dataclasses
+    import logging
+    from pathlib import Path
+
+    import folder_paths
+
+    from kt_testing.probes import model_output
+
+    config = importlib.import_module(f"{pack.__name__}.trainer_core.config").TrainConfig
+    lora_file = importlib.import_module(f"{pack.__name__}.trainer_core.lora_file")
+    settings = {f.name: f.default for f in dataclasses.fields(config)}
+    settings.update(steps=2, rank=2, alpha=2.0, learning_rate=1e-3, layout="auto", caption_dropout=0.5)
+    settings.update(gradient_checkpointing=True, blocks_to_swap=1, targets="all_linear")
+    inputs = {
+        "model": InGraph(lambda: tiny_qwen_image_patcher(seed=3)),
+        "dataset": built[0],
+        "lora_name": "kt_qwen_edit",
+        "overwrite": False,
+        "resume_from": "none",
+        **settings,
+    }
+    trained, name, losses = run_node("KontextTrainer_TrainLoRA", inputs, node_id="9").outputs[:3]
+    assert len(losses["loss"]) == 2 and all(loss == loss for loss in losses["loss"])
+    tensors, metadata = lora_file.load(Path(folder_paths.get_folder_paths("loras")[0]) / name)
+    assert metadata["ss_base_model_version"] == "qwen_image_edit_plus"
+    assert metadata["modelspec.architecture"] == "Qwen-Image-Edit-Plus/lora"
+    assert metadata["kontext_trainer.layout"] == "index"
+    assert len([k for k in tensors if k.endswith(".lora_down.weight")]) == 14 + 10
+    with caplog.at_level(logging.WARNING):
+        stock = run_node(
+            "LoraLoaderModelOnly",
+            {
+                "model": InGraph(lambda: tiny_qwen_image_patcher(seed=3)),
+                "lora_name": name,
+                "strength_model": 1.0,
+            },
+        ).outputs[0]
+    assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
+    outputs = [model_output(m, text=(5, 64), pooled=0, channels=16, frames=1) for m in (trained, stock)]
+    assert torch.equal(outputs[0], outputs[1])

@@ -212,3 +212,17 @@ def test_comfyui_0375_refuses_timestep_zero_references_in_one_line(registered, f
     )
     with pytest.raises(ValueError, match=message), ft.lora_session(tiny_qwen_image_patcher(), config):
         pass
+
+
+def test_the_vram_estimates_shape_counts_the_models_linear_weights(pack):
+    """`QwenShape.of` the tiny model against ComfyUI's own model: the Linear weights it counts are
+    the model's, every one; the full size is Qwen-Image's published 20B."""
+    vram = importlib.import_module(f"{pack.__name__}.comfy_adapter.families.qwen_image.vram")
+    diffusion_model = tiny_qwen_image_patcher().model.diffusion_model
+    shape = vram.QwenShape.of(diffusion_model)
+    linears = [m for m in diffusion_model.modules() if isinstance(m, torch.nn.Linear)]
+    assert shape.blocks * shape.block_weights() + shape.other_weights() == sum(
+        p.numel() for m in linears for p in m.parameters()
+    )
+    full = vram.QwenShape()
+    assert abs((full.blocks * full.block_weights() + full.other_weights()) / 1e9 - 20.4) < 0.1
