@@ -15,7 +15,7 @@ from comfy_api.latest import io
 
 from ..application.node_ids import node_id
 from ..comfy_adapter.families import layouts_by_family, trained_models
-from ..comfy_adapter.model_family import check_layout_fits
+from ..comfy_adapter.model_family import check_layout_fits, family_of
 from ..comfy_adapter.model_view import diffusion_module
 from ..trainer_core.choices import Layout, choose
 from ..trainer_core.sizing import MAX_SIDE, check_side_cap, fit_to_area, resize_exact
@@ -138,7 +138,14 @@ class MultiImageConditioning(io.ComfyNode):
     ) -> io.NodeOutput:
         if layout != "auto":
             choose(Layout, layout, "layout")  # a name no layout has, before whether it fits the model
-        family = check_layout_fits(model, layout, "MultiImageConditioning's model")
+        family = family_of(model, "MultiImageConditioning's model")
+        if family.conditioning_node:
+            raise ValueError(
+                f"MultiImageConditioning's model is {family.title}, whose references are part of its "
+                f"text: encode the prompt and the reference images with ComfyUI's "
+                f"{family.conditioning_node} node instead, and leave MultiImageConditioning out"
+            )
+        family = check_layout_fits(model, layout, "MultiImageConditioning's model", family=family)
         # auto: the model's own (ComfyUI's default for it), set on the conditioning by name
         layout = family.resolve_layout(layout, diffusion_module(model))
         images = [image for image in (image_1, image_2, image_3, image_4) if image is not None]

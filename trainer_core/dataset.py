@@ -47,6 +47,7 @@ class Encoders:
     # encoded as an image at `reference_resolution` (FLUX).
     encode_sample: SampleEncoder | None = None
     sample_identity: str = ""  # that encoding and the ComfyUI running it (part of its keys)
+    sample_note: str = ""  # what a user should know of it (a notice of the dataset with references)
 
 
 @dataclass(frozen=True)
@@ -270,6 +271,9 @@ def build_dataset(
             : settings.hold_out
         ].tolist()
     )
+    notices = list(scan.notices)
+    if per_sample and encoders.sample_note and any(files.references for files in scan.samples):
+        notices.append(encoders.sample_note)
     return KontextDataset(
         cache,
         settings,
@@ -277,7 +281,7 @@ def build_dataset(
         [e for i, e in enumerate(entries) if i in held],
         empty_key,
         scan.folder_structure,
-        list(scan.notices),
+        notices,
         encoded["images"],
         encoded["texts"],
         max(cache.shape("text", key, "context")[-2] for key in [*text_keys.values(), empty_key]),

@@ -45,6 +45,9 @@ class ModelFamily:
     # the flux_shift sampler's two (image tokens, mu) points: the model's own resolution-dependent
     # shift (FLUX's by default; Qwen-Image's is musubi-tuner's qwen_shift, `objective`)
     token_shift: TokenShift = TOKEN_SHIFT_POINTS
+    # the ComfyUI node that puts this model's references into its conditioning where that is not
+    # MultiImageConditioning's way (the references are part of its text); "": MultiImageConditioning
+    conditioning_node: str = ""
 
     def matches(self, unet_config: dict) -> bool:
         """ComfyUI detected this model: its image_model and every item of `detects`."""
@@ -212,13 +215,13 @@ def entry_for(unet_config: dict, what: str = "this MODEL") -> ModelFamily:
 
 
 def sample_encoder_for(vae, clip):
-    """(the encoder, the family's title) of the first family that encodes whole samples with
-    `clip` (`ModelFamily.sample_encoder`), or None: LoadKontextDataset learns the family from
-    its CLIP, as it has no MODEL."""
+    """(the encoder, its family) of the first family that encodes whole samples with `clip`
+    (`ModelFamily.sample_encoder`), or None: LoadKontextDataset learns the family from its CLIP,
+    as it has no MODEL."""
     for family in _all():
         encoder = family.sample_encoder(vae, clip)
         if encoder is not None:
-            return encoder, family.title
+            return encoder, family
     return None
 
 

@@ -248,6 +248,7 @@ def edit(release: str, layouts: tuple[str, ...], names: ModelNames, detects=()) 
         text_encoder="Qwen2.5-VL 7B (CLIPLoader, type qwen_image)",
         base_models=(f"qwen_image_edit_{release}",) * 2,
         detects=detects,
+        conditioning_node=encoding.NODE,
     )
 
 

@@ -70,6 +70,10 @@ def test_each_sample_is_what_comfyuis_encoder_node_gives_in_a_graph(built, encod
     assert dataset.encoded_texts == 2 * 2 + 1  # each sample's text and empty prompt, the dataset's empty
     assert dataset.encoded_images == 2 + 2  # the targets, and one reference each (by the node)
     assert again.encoded_texts == 0 and again.encoded_images == 0
+    assert dataset.notices[-1].startswith(
+        "Qwen-Image-Edit 2509: each caption is encoded with its sample's reference images by ComfyUI's "
+        "TextEncodeQwenImageEditPlus node"
+    )
     for entry in dataset.entries[:1]:  # (each stock call encodes the reference at 1 MP again)
         reference = folder / f"{entry.name}_control.png"
         context, (latent,) = stock_encoding(clip, vae, entry.caption, reference)

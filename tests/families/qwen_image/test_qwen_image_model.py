@@ -226,3 +226,21 @@ def test_the_vram_estimates_shape_counts_the_models_linear_weights(pack):
     )
     full = vram.QwenShape()
     assert abs((full.blocks * full.block_weights() + full.other_weights()) / 1e9 - 20.4) < 0.1
+
+
+def test_multiimageconditioning_refuses_qwen_image_edit_naming_its_encoder_node(registered):
+    from kt_testing.executor import InGraph, run_node
+    from kt_testing.qwen_image import small_wan_vae
+
+    inputs = {
+        "model": InGraph(tiny_qwen_image_patcher),
+        "conditioning": InGraph(lambda: [[torch.zeros(1, 5, TEXT_WIDTH), {}]]),
+        "vae": InGraph(small_wan_vae),
+        "layout": "auto",
+        "reference_resolution": 64,
+        "image_1": InGraph(lambda: torch.rand(1, 32, 32, 3)),
+    }
+    with pytest.raises(
+        ValueError, match="Qwen-Image-Edit 2509, whose references are part of its text: encode the"
+    ):
+        run_node("KontextTrainer_MultiImageConditioning", inputs)
