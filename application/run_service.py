@@ -127,6 +127,7 @@ class PreparedRun:
     def check_model(self, model, dataset) -> None:
         """The model can train this dataset with this config (family, layout, quantization)."""
         check_model_fits(model, dataset, self.config.layout, self.family_for(model))
+        self.family_for(model).check_config(self.config)
         check_quantized_model(model, self.config.fp8_mode)
 
     def run_to_end(

@@ -74,11 +74,12 @@ def comfy_encoders(vae, clip) -> Encoders:
         from .forward_guard import comfyui_version
 
         encoders.encode_sample, family = found
+        # named by the family's model type and node, not an entry (2509 and 2511 encode alike)
         node = family.conditioning_node or "its encoder"
-        encoders.sample_identity = f"{family.title}: {node}, ComfyUI {comfyui_version()}"
+        encoders.sample_identity = f"{family.image_model}: {node}, ComfyUI {comfyui_version()}"
         encoders.sample_note = (
-            f"{family.title}: each caption is encoded with its sample's reference images by ComfyUI's "
-            f"{node} node, which sizes the references itself (about 1024 x 1024 px): "
-            "reference_resolution does not apply"
+            f"each caption is encoded with its sample's reference images by ComfyUI's {node} node, "
+            "which sizes the references itself (about 1024 x 1024 px): reference_resolution does "
+            "not apply"
         )
     return encoders

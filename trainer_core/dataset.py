@@ -201,31 +201,38 @@ def build_dataset(
     def with_references(files, caption: str) -> tuple[str, str, list[str]]:
         """The family's encoding of the sample (`Encoders.encode_sample`): its text and empty
         prompt with its reference images, and the references as its conditioning carries them.
-        Keyed by the caption, the reference files and every encoder, ComfyUI's version included."""
-        rule = (
-            encoders.sample_identity,
-            encoders.text_identity,
-            encoders.image_identity,
-            settings.background,
+        Each keyed by what it depends on: the reference files, the decoding rule, the encoding
+        (ComfyUI's version included), and the caption and text encoder (texts) or the VAE
+        (references)."""
+        files_key = [IMAGE_RULE_VERSION, settings.background, encoders.sample_identity]
+        files_key += [file_digest(path) for path in files.references]
+        text_key, empty_key = (
+            cache_key("sample text", c, files_key, encoders.text_identity) for c in (caption, "")
         )
-        files_key = [file_digest(path) for path in files.references]
-        text_key, empty_key = (cache_key("sample text", c, files_key, *rule) for c in (caption, ""))
-        ref_keys = [cache_key("sample reference", i, files_key, *rule) for i in range(len(files.references))]
+        ref_keys = [
+            cache_key("sample reference", i, files_key, encoders.image_identity)
+            for i in range(len(files.references))
+        ]
         pixels = None
 
         def images() -> list[np.ndarray]:
             nonlocal pixels
             if pixels is None:
+                for path in files.references:
+                    check_side_cap(*upright_size(path), str(path))
                 pixels = [read_image(path, settings.background).pixels for path in files.references]
             return pixels
 
-        if not cache.has("text", text_key) or not all(cache.has("latents", key) for key in ref_keys):
-            context, pooled, latents = encoders.encode_sample(caption, images(), True)
-            cache.put("text", text_key, {"context": context, "pooled": pooled})
-            for key, latent in zip(ref_keys, latents, strict=True):
-                cache.put("latents", key, {"latent": latent})
-            encoded["texts"] += 1
-            encoded["images"] += len(latents)
+        references = not all(cache.has("latents", key) for key in ref_keys)
+        if references or not cache.has("text", text_key):  # the VAE runs only for missing latents
+            context, pooled, latents = encoders.encode_sample(caption, images(), references)
+            if not cache.has("text", text_key):
+                cache.put("text", text_key, {"context": context, "pooled": pooled})
+                encoded["texts"] += 1
+            if references:
+                for key, latent in zip(ref_keys, latents, strict=True):
+                    cache.put("latents", key, {"latent": latent})
+                encoded["images"] += len(latents)
         tick()
         if not cache.has("text", empty_key):  # the empty prompt keeps the images (not re-encoded)
             context, pooled, _ = encoders.encode_sample("", images(), False)

@@ -107,6 +107,8 @@ class TokenBatch:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if isinstance(value, torch.Tensor):
+                if value.shape[:2] != self.valid.shape:
+                    raise TypeError(f"{type(self).__name__}.{f.name} is not (batch, tokens, ...)")
                 value = value[index.to(value.device)]
                 value = value[:, :length] if length is not None else value
             elif isinstance(value, list):

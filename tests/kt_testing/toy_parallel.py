@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -67,7 +67,7 @@ class ToyTokens(TokenBatch):
     """A family's own token batch: each token's (image, row, column), which `rows` must cut
     with the tokens."""
 
-    ids: torch.Tensor = None  # (B, L, 3)
+    ids: torch.Tensor = field(kw_only=True)  # (B, L, 3)
 
 
 def toy_pack(targets, references) -> ToyTokens:

@@ -128,15 +128,18 @@ def test_progress_reaches_the_total(folder, tmp_path):
 def test_a_familys_whole_sample_encoding_is_cached_per_sample_with_its_own_empty_prompt(folder, tmp_path):
     """`Encoders.encode_sample` (Qwen-Image-Edit's encoder node): each sample's text with its
     references, and its empty prompt with the same images but no latents; the references are the
-    encoding's own latents (5-D here), keyed by the reference files, the caption and every
-    encoder; each change re-encodes exactly its samples."""
+    encoding's own latents (5-D here). Texts are keyed by the reference files, the caption and the
+    text encoder, references by the files and the VAE, both by the encoding: each change
+    re-encodes exactly what depends on it, and the VAE runs only for missing references."""
     cache = tmp_path / "cache"
     encoders = SampleEncoders()
     dataset = build(folder, cache, encoders, resolution=64, reference_resolution=32)
-    assert sorted(encoders.sample_calls) == sorted(
-        [("make a blue", 2, True), ("make b blue", 2, True), ("make a blue", 2, True)] + [("", 2, False)] * 3
-    )  # a and c share a caption, not their images
+    captions = ["make a blue", "make b blue", "make a blue"]  # a and c share a caption, not their images
+    with_images = sorted([(c, 2, True) for c in captions])
+    texts_only, empties = sorted([(c, 2, False) for c in captions]), [("", 2, False)] * 3
+    assert sorted(encoders.sample_calls) == sorted(with_images + empties)
     assert (encoders.image_calls, encoders.text_calls) == (3, 1)  # the targets; the dataset's empty prompt
+    assert (dataset.encoded_images, dataset.encoded_texts) == (3 + 6, 6 + 1)
     a, b = (dataset.sample(e) for e in dataset.entries[:2])
     assert a.references[0].shape == (16, 1, 8, 12)  # the encoding's own, at the file's 96 x 64
     assert dataset.entries[0].reference_sizes == [(96, 64), (96, 64)]
@@ -150,14 +153,13 @@ def test_a_familys_whole_sample_encoding_is_cached_per_sample_with_its_own_empty
         return sorted(encoders.sample_calls), encoders.image_calls
 
     assert rebuild() == ([], 0)
-    color_image(96, 64, seed=77).save(folder / "b_control_1.png")  # b's text and empty prompt
+    color_image(96, 64, seed=77).save(folder / "b_control_1.png")  # b's text, empty prompt, references
     assert rebuild() == ([("", 2, False), ("make b blue", 2, True)], 0)
-    (folder / "b.txt").write_text("make b red", encoding="utf-8")  # b's text only
-    assert rebuild() == ([("make b red", 2, True)], 0)
-    for change in (
-        {"sample_identity": "another ComfyUI"},
-        {"text_identity": "text-b"},
-        {"image_identity": "vae-b"},
-    ):
-        calls, _images = rebuild(**change)
-        assert len(calls) == 6, change
+    (folder / "b.txt").write_text("make b red", encoding="utf-8")  # b's text only: no VAE
+    assert rebuild() == ([("make b red", 2, False)], 0)
+    captions[1] = "make b red"
+    with_images = sorted([(c, 2, True) for c in captions])
+    texts_only = sorted([(c, 2, False) for c in captions])
+    assert rebuild(sample_identity="another ComfyUI") == (sorted(with_images + empties), 0)
+    assert rebuild(text_identity="text-b") == (sorted(texts_only + empties), 0)
+    assert rebuild(image_identity="vae-b") == (with_images, 3)  # the references and the targets

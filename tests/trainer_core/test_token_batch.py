@@ -3,7 +3,7 @@ ids and attention mask: `tests/families/flux/test_flux_token_batch.py`)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pytest
 import torch
@@ -70,7 +70,7 @@ def test_build_token_batch_pads_and_marks_tokens():
 
 @dataclass
 class WithIds(TokenBatch):
-    ids: torch.Tensor = None  # (B, L, 2): a family's own per-token field
+    ids: torch.Tensor = field(kw_only=True)  # (B, L, 2): a family's own per-token field
     note: str = "kept"
 
 
@@ -87,3 +87,6 @@ def test_rows_and_sample_cut_a_familys_own_fields_with_the_tokens():
     assert row.is_uniform() is False  # rows of a padded batch stay padded
     first = batch.sample(0)  # 1 real token of 2
     assert torch.equal(first.ids, ids[:1, :1]) and first.tokens.shape[1] == 1 and first.is_uniform()
+    # a tensor that is not per token cannot be cut with them
+    with pytest.raises(TypeError, match=r"WithIds.ids is not \(batch, tokens, ...\)"):
+        WithIds(**{f: getattr(base, f) for f in base.__dataclass_fields__}, ids=torch.zeros(2)).rows([0])

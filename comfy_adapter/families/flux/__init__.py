@@ -5,8 +5,10 @@ All run the same `comfy/ldm/flux/model.py` class, so one `FluxFamily` serves the
 for training comes from the model's `FluxParams` (patch size, RoPE axes, the index layout's step,
 guidance, widths) and from the entries (what ComfyUI's detection tells them by, the reference
 layouts that fit, the names a LoRA file's metadata gives the base model, the text encoder, the
-release's full-size shape). `blocks.py`: the block patches; `reference_ids.py`: the
-reference ids and the padded mixed-size batch.
+release's full-size shape). `blocks.py`: the block patches; `position_ids.py`: every layout's
+ids and the FLUX.1 / FLUX.2 grids; `token_batch.py`: the token batch with those ids and a padded
+batch's attention mask; `reference_ids.py`: our ids in ComfyUI's Flux and the padded batch's
+forward.
 """
 
 from __future__ import annotations

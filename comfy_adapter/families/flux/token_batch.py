@@ -18,7 +18,7 @@ from .position_ids import DEFAULT_GRID, TokenGrid, image_position_ids
 
 @dataclass
 class FluxTokenBatch(TokenBatch):
-    ids: torch.Tensor = field(default=None)  # (B, L, axes) position ids, zero on padding
+    ids: torch.Tensor = field(kw_only=True)  # (B, L, axes) position ids, zero on padding
     grid: TokenGrid = DEFAULT_GRID
 
 

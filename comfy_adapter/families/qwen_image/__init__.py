@@ -16,9 +16,9 @@ What the family changes, all read from the MODEL:
   forward (`blocks`);
 - the flux_shift sampler takes musubi-tuner's qwen_shift points.
 
-Registered only by the tests until the family's data side (the sample encoded by ComfyUI's
-`TextEncodeQwenImageEditPlus`, vision tokens included) is in: a dataset encoded from captions
-alone would train on a conditioning sampling never produces (issue 43).
+A sample is encoded as sampling encodes it, by ComfyUI's `TextEncodeQwenImageEditPlus`
+(`encoding`): vision tokens in the text, the node's own reference latents. Registered only by
+the tests until previews, examples and LoRA files for other tools are in (issue 43).
 """
 
 from __future__ import annotations

@@ -71,7 +71,7 @@ def test_each_sample_is_what_comfyuis_encoder_node_gives_in_a_graph(built, encod
     assert dataset.encoded_images == 2 + 2  # the targets, and one reference each (by the node)
     assert again.encoded_texts == 0 and again.encoded_images == 0
     assert dataset.notices[-1].startswith(
-        "Qwen-Image-Edit 2509: each caption is encoded with its sample's reference images by ComfyUI's "
+        "each caption is encoded with its sample's reference images by ComfyUI's "
         "TextEncodeQwenImageEditPlus node"
     )
     for entry in dataset.entries[:1]:  # (each stock call encodes the reference at 1 MP again)
@@ -92,17 +92,30 @@ def test_each_sample_is_what_comfyuis_encoder_node_gives_in_a_graph(built, encod
 
 def test_the_tiny_qwen_image_trains_a_step_on_the_cached_samples(built, registered, pack):
     """What the dataset cached, through ComfyUI's latent format, is what the model takes: one
-    step of the loss with caption dropout (each sample's own empty prompt) and a gradient."""
+    step of the loss with every caption dropped (each sample's own empty prompt reaches the
+    model) and a gradient."""
     ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
     training_run = importlib.import_module(f"{pack.__name__}.comfy_adapter.model_view")
     dataset, _ = built
     model = tiny_qwen_image_patcher(seed=3)
     samples = [dataset.sample(e, latent_in=training_run.latent_in(model)) for e in dataset.entries]
-    config = ft.TrainConfig(rank=2, alpha=2.0, caption_dropout=0.5, batch_size=2)
+    config = ft.TrainConfig(rank=2, alpha=2.0, caption_dropout=1.0, batch_size=2)
+    contexts = []
     with ft.lora_session(model, config) as session:
+        predict = session.predict
+
+        def recorded(batch, sigma, context, pooled):
+            contexts.extend(context)
+            return predict(batch, sigma, context, pooled)
+
+        session.predict = recorded
         randomise_lora(session, seed=1)
         loss = session.loss(samples, torch.Generator().manual_seed(0))
         grads = torch.autograd.grad(loss, session.lora.parameters())
+    assert len(contexts) == 2
+    for context, sample in zip(contexts, samples, strict=True):
+        assert torch.equal(context, sample.empty.context)
+        assert sample.empty.context.shape[0] < sample.context.shape[0]  # the caption's tokens
     assert torch.isfinite(loss) and all(torch.isfinite(g).all() for g in grads)
     assert sum(float(g.abs().sum()) for g in grads) > 0
 

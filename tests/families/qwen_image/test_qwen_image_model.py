@@ -3,7 +3,7 @@ on ComfyUI's own Qwen-Image transformer at tiny size (`supported_models.QwenImag
 are told apart from the MODEL, training's model call is sampling's (`apply_model`) for 1-3
 references of different sizes under every method (2511's timestep zero on ComfyUI 0.33), batches
 of mixed shapes go one sample per forward, gradients equal finite differences, and checkpointing
-and block swap change nothing. The family is registered here only (its data side is not in yet).
+and block swap change nothing. The family is registered by the tests only (`conftest.py`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from kt_testing.gradients import randomise_lora, worst_directional_error
 from kt_testing.tiny_models import TINY_QWEN_IMAGE_CONFIG, tiny_qwen_image_patcher
 
 # latent (H, W) of the references, different sizes and aspect ratios (2x2 patches)
-REFERENCE_SETS = {1: [(8, 12)], 2: [(8, 8), (6, 10)], 3: [(10, 6), (4, 8), (8, 8)]}
+# (4: sides that are not whole patches, as the encoder node's 8 px multiples give them: packed
+# padded as ComfyUI pads them, handed to the model unpadded)
+REFERENCE_SETS = {1: [(8, 12)], 2: [(8, 8), (6, 10)], 3: [(10, 6), (4, 8), (8, 8)], 4: [(7, 9), (5, 6)]}
 TEXT_WIDTH = TINY_QWEN_IMAGE_CONFIG["joint_attention_dim"]
 
 
