@@ -38,11 +38,6 @@ def flux2(comfy_runtime):
     return tiny_flux2_patcher(seed=3)
 
 
-@pytest.fixture(scope="module")
-def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
-
-
 @contextlib.contextmanager
 def captured_ids(diffusion_model):
     """Every (B, T + L, axes) id tensor Flux's RoPE embeds (`pe_embedder`'s input: text ids,

@@ -15,16 +15,6 @@ from kt_testing.probes import tiny_samples
 from kt_testing.tiny_models import TINY_FAMILIES, tiny_flux_patcher
 
 
-@pytest.fixture(scope="module")
-def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
-
-
-@pytest.fixture(scope="module")
-def Sample(pack):
-    return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
-
-
 def comfy_forward(model, x, refs, context, y, sigma=0.6):
     """ComfyUI's own sampling-time call, through the patcher's options."""
     cond = {"c_crossattn": context, "y": y, "guidance": torch.tensor([1.0], dtype=x.dtype)}

@@ -37,16 +37,6 @@ def comfy_has_timestep_zero() -> bool:
 
 
 @pytest.fixture(scope="module")
-def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
-
-
-@pytest.fixture(scope="module")
-def Sample(pack):
-    return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
-
-
-@pytest.fixture(scope="module")
 def on_033(comfy_runtime):
     if not comfy_has_timestep_zero():
         pytest.skip("ComfyUI 0.3.75 has no timestep-zero references (0.33+); its refusal is tested")

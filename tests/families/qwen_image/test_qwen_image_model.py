@@ -35,16 +35,6 @@ needs_033 = pytest.mark.skipif(
 )
 
 
-@pytest.fixture(scope="module")
-def ft(pack):
-    return importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
-
-
-@pytest.fixture(scope="module")
-def Sample(pack):
-    return importlib.import_module(f"{pack.__name__}.trainer_core.flow_step").Sample
-
-
 def samples_of(Sample, seed, target, references, count=1, dtype=torch.float64, text=5):
     """`count` samples with Wan 2.1's 5-D latents (16, 1, h, w), a `text`-token caption."""
     gen = torch.Generator().manual_seed(seed)
