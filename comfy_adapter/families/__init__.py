@@ -144,6 +144,23 @@ class ModelFamily:
         the model's (ComfyUI's `model_sampling.timestep` of the noise level)."""
         raise NotImplementedError
 
+    def predict_one_by_one(self, session, batch, timestep, context, pooled) -> torch.Tensor:
+        """`predict` for each sample of `batch` alone, unpadded (a batch the model cannot take in
+        one forward), padded back to the batch's length; with LoRA dropout, each call gets its
+        row's masks (`trainer_core.lora_dropout`: the call's one row is row first + i)."""
+        first, rows = torch.initial_seed(), []
+        for i in range(batch.tokens.shape[0]):
+            if session.config.dropout > 0:
+                torch.manual_seed(first + i)
+            own_pooled = pooled[i : i + 1] if pooled is not None else None
+            rows.append(
+                self.predict(session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], own_pooled)
+            )
+        if session.config.dropout > 0:
+            torch.manual_seed(first)
+        length = batch.tokens.shape[1]
+        return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
+
     def vram_estimate(self, diffusion_model, dataset, config):
         """Required. The `trainer_core.vram.Estimate` of a run, shown before training starts."""
         raise NotImplementedError

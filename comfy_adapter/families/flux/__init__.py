@@ -22,6 +22,7 @@ import torch
 from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.token_batch import pack_latent
 from ...comfy_quantized import stored_weight_bytes
+from ...model_view import compute_dtype
 from .. import ModelFamily, register
 from . import blocks, lora_names, reference_ids
 from .lora_targets import target_module_names
@@ -83,10 +84,6 @@ def comfy_runs_timestep_zero(diffusion_model) -> bool:
 
 # ss_model_type, ss_network_module (sd-scripts' Flux LoRA module), modelspec.implementation
 SD_SCRIPTS_FLUX = ("flux", "networks.lora_flux", "https://github.com/black-forest-labs/flux")
-
-
-def _compute_dtype(base_model) -> torch.dtype:
-    return base_model.manual_cast_dtype or base_model.get_dtype()
 
 
 @dataclass(frozen=True)
@@ -202,10 +199,14 @@ class FluxFamily(ModelFamily):
         (ComfyUI 0.33's `index_timestep_zero`) every sample gets ComfyUI's own call alone."""
         config, patcher = session.config, session.patcher
         # (also one padded row: a data-parallel process's rows keep the global batch's padding)
+        # Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
+        # timestep batch for them, which a batch of several meets with one guidance value per
+        # sample and fails, and it takes one reference range for the whole batch, which padded
+        # samples do not share. Each sample gets exactly ComfyUI's own call.
         if config.layout in TIMESTEP_ZERO_LAYOUTS and (batch.tokens.shape[0] > 1 or not batch.is_uniform()):
-            return self._predict_one_by_one(session, batch, timestep, context, pooled)
+            return self.predict_one_by_one(session, batch, timestep, context, pooled)
         diffusion_model = patcher.model.diffusion_model
-        dtype, device = _compute_dtype(patcher.model), patcher.load_device
+        dtype, device = compute_dtype(patcher), patcher.load_device
         tokens = batch.tokens.to(device, dtype)
         timestep = timestep.to(device, torch.float32)
         context = context.to(device, dtype)
@@ -241,26 +242,6 @@ class FluxFamily(ModelFamily):
         packed = pack_latent(out, batch.patch_size)
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
-
-    def _predict_one_by_one(self, session, batch: FluxTokenBatch, timestep, context, pooled) -> torch.Tensor:
-        """Timestep-zero references, one sample per forward: ComfyUI's Flux (0.33) doubles the
-        timestep batch for them, which a batch of several meets with one guidance value per
-        sample and fails, and it takes one reference range for the whole batch, which padded
-        samples do not share. Each sample gets exactly ComfyUI's own call (and, with LoRA
-        dropout, its row's masks: `trainer_core.lora_dropout`)."""
-        first, rows = torch.initial_seed(), []
-        for i in range(batch.tokens.shape[0]):
-            if session.config.dropout > 0:
-                torch.manual_seed(first + i)  # this call's one row is row first + i
-            rows.append(
-                self.predict(
-                    session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], pooled[i : i + 1]
-                )
-            )
-        if session.config.dropout > 0:
-            torch.manual_seed(first)
-        length = batch.tokens.shape[1]
-        return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
     def file_notes(self, config) -> list[str]:
         if self.image_model == "flux2" and config.targets == "all_linear":

@@ -32,6 +32,7 @@ import torch
 from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
 from ....trainer_core.token_batch import TokenBatch, build_token_batch, pack_latent
+from ...model_view import compute_dtype
 from .. import ModelFamily
 from . import blocks, encoding, vram
 
@@ -67,10 +68,6 @@ def comfy_runs_timestep_zero(diffusion_model) -> bool:
         "timestep_zero_index"
         in inspect.signature(type(diffusion_model.transformer_blocks[0]).forward).parameters
     )
-
-
-def _compute_dtype(base_model) -> torch.dtype:
-    return base_model.manual_cast_dtype or base_model.get_dtype()
 
 
 @dataclass(frozen=True)
@@ -178,9 +175,9 @@ class QwenImageFamily(ModelFamily):
         (ComfyUI's Qwen-Image computes its ids from the latents' shapes and masks no image
         token)."""
         if not batch.is_uniform():
-            return self._predict_one_by_one(session, batch, timestep, context, pooled)
+            return self.predict_one_by_one(session, batch, timestep, context, pooled)
         patcher = session.patcher
-        dtype, device = _compute_dtype(patcher.model), patcher.load_device
+        dtype, device = compute_dtype(patcher), patcher.load_device
         tokens = batch.tokens.to(device, dtype)
         x, references = batch.split_latents(tokens)
         out = patcher.model.diffusion_model(
@@ -193,19 +190,6 @@ class QwenImageFamily(ModelFamily):
         )
         packed = pack_latent(out, batch.patch_size)
         return torch.nn.functional.pad(packed, (0, 0, 0, tokens.shape[1] - packed.shape[1]))
-
-    def _predict_one_by_one(self, session, batch: TokenBatch, timestep, context, pooled) -> torch.Tensor:
-        """Each sample alone, unpadded, with its row's LoRA-dropout masks
-        (`trainer_core.lora_dropout`: the call's one row is row first + i)."""
-        first, rows = torch.initial_seed(), []
-        for i in range(batch.tokens.shape[0]):
-            if session.config.dropout > 0:
-                torch.manual_seed(first + i)
-            rows.append(self.predict(session, batch.sample(i), timestep[i : i + 1], context[i : i + 1], None))
-        if session.config.dropout > 0:
-            torch.manual_seed(first)
-        length = batch.tokens.shape[1]
-        return torch.cat([torch.nn.functional.pad(row, (0, 0, 0, length - row.shape[1])) for row in rows])
 
     def vram_estimate(self, diffusion_model, dataset, config):
         from ...comfy_quantized import stored_weight_bytes
