@@ -75,6 +75,11 @@ class PreparedRun:
         self.check_resume(dataset)
         self.check_model(model, dataset)
 
+    def check_preview(self, preview: PreviewSettings | None) -> None:
+        """The previews can be sampled for the run's model (after `check_fit`)."""
+        if preview is not None:
+            self.run.family.check_preview(preview)
+
     def family_for(self, model):
         """The model's `families.ModelFamily` entry, resolved on the first call (it refuses a
         model the pack does not train) and carried by the run from then on (`Run.family`)."""

@@ -46,6 +46,17 @@ def _with(conditioning, values: dict):
     return node_helpers.conditioning_set_values(conditioning, values)
 
 
+def empty_latent(latent_format, settings: PreviewSettings) -> torch.Tensor:
+    """The empty latent of the model's family, as the stock KSampler shapes it
+    (`comfy.sample.fix_empty_latent_channels`): FLUX.1 16 channels at 1/8, FLUX.2 128 at 1/16,
+    Qwen-Image 16 at 1/8 with a frame axis, `(1, 16, 1, h, w)`."""
+    scale = settings.vae.spacial_compression_encode()
+    frames = (1,) * (getattr(latent_format, "latent_dimensions", 2) - 2)
+    return torch.zeros(
+        1, latent_format.latent_channels, *frames, settings.height // scale, settings.width // scale
+    )
+
+
 def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Tensor:
     """(B, H, W, 3) images for every prompt of `settings.positive`, sampled with the model
     as the session holds it (LoRA included)."""
@@ -59,10 +70,11 @@ def sample_previews(session, settings: PreviewSettings, layout: str) -> torch.Te
             [torch.zeros_like(c), {k: v for k, v in o.items() if k != "reference_latents"}]
             for c, o in settings.positive
         ]
-    # the empty latent of the model's family (FLUX.1: 16 channels at 1/8, FLUX.2: 128 at 1/16)
-    channels = session.patcher.model.latent_format.latent_channels
-    scale = settings.vae.spacial_compression_encode()
-    latent = torch.zeros(1, channels, settings.height // scale, settings.width // scale)
+    # a negative's references (Qwen-Image-Edit's encoder node puts them into both) in the run's layout
+    negative = [
+        [c, {**o, "reference_latents_method": layout} if "reference_latents" in o else o] for c, o in negative
+    ]
+    latent = empty_latent(session.patcher.model.latent_format, settings)
     devices = [torch.cuda.current_device()] if torch.cuda.is_available() else []
     with (
         evaluating(session.diffusion_model),

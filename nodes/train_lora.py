@@ -252,6 +252,7 @@ class TrainLoRA(io.ComfyNode):
         model_file = model_file_of(cls.hidden.prompt, node)
         prepared = prepare(RunRequest(lora_name, config, overwrite, resume, start, model_file=model_file))
         prepared.check_fit(model, dataset)
+        prepared.check_preview(preview)
         bar = comfy.utils.ProgressBar(config.steps)
         server = _prompt_server()
         prompt_id = getattr(server, "last_prompt_id", None)

@@ -9,7 +9,8 @@
 - `dreamomni2_demo/`: two references per sample: a figure (`_control`) and a hat (`_control_1`);
   the target is the figure wearing the hat; beside it `person.png` and `hat.png`, the references
   of the DreamOmni2 and FLUX.2 examples' previews and inference; the same samples in
-  `flux2_demo/` for the FLUX.2 examples (whose model files the demo cannot make).
+  `flux2_demo/` for the FLUX.2 examples and in `qwen_edit_demo/` for the Qwen-Image-Edit ones
+  (whose model files the demo cannot make).
 
 Each dataset is written once (a marker file records the version) and reused on later runs.
 """
@@ -29,6 +30,7 @@ REFERENCE_IMAGE = "kontext_demo_reference.png"  # the name the example workflows
 # The dataset folders (in input/) and images the examples name.
 KONTEXT_FOLDER, FLUX_DEV_FOLDER, DREAMOMNI2_FOLDER = "kontext_demo", "flux_dev_demo", "dreamomni2_demo"
 FLUX2_FOLDER = "flux2_demo"  # the FLUX.2 examples' dataset: the DreamOmni2 one (two references)
+QWEN_EDIT_FOLDER = "qwen_edit_demo"  # the Qwen-Image-Edit examples': the same
 PERSON_IMAGE, HAT_IMAGE = "person.png", "hat.png"
 BACKGROUND = (235, 235, 230)
 
@@ -182,6 +184,7 @@ def write_example_inputs(input_dir: Path) -> dict[str, Path]:
         FLUX_DEV_FOLDER: write_flux_dev_dataset(input_dir / FLUX_DEV_FOLDER),
         DREAMOMNI2_FOLDER: write_dreamomni2_dataset(input_dir / DREAMOMNI2_FOLDER),
         FLUX2_FOLDER: write_dreamomni2_dataset(input_dir / FLUX2_FOLDER),
+        QWEN_EDIT_FOLDER: write_dreamomni2_dataset(input_dir / QWEN_EDIT_FOLDER),
         PERSON_IMAGE: input_dir / PERSON_IMAGE,
         HAT_IMAGE: input_dir / HAT_IMAGE,
     }

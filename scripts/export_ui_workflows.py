@@ -90,6 +90,35 @@ NOTES = {
         "ComfyUI 0.33 or newer and flux-2-klein-base-4b.safetensors, qwen_3_4b.safetensors, "
         "flux2-vae.safetensors."
     ),
+    "qwen_image_edit_2509_lora_training": (
+        "Train a Qwen-Image-Edit 2509 LoRA with two references per sample (layout auto: 2509's "
+        "index). Needs qwen_image_edit_2509_fp8_e4m3fn.safetensors (models/diffusion_models), "
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors (models/text_encoders), qwen_image_vae.safetensors "
+        "(models/vae).\n\nDataset: input/qwen_edit_demo (name.png + name.txt, references "
+        "name_control.png + name_control_1.png); each caption is encoded with its references by "
+        "TextEncodeQwenImageEditPlus, as sampling encodes it (references at about 1 MP). Previews: "
+        "that node with person.png + hat.png; the negative, the same node with an empty prompt."
+    ),
+    "qwen_image_edit_2509_lora_inference": (
+        "Sample Qwen-Image-Edit 2509 with the LoRA the 2509 training example writes "
+        "(qwen_image_edit_2509_lora) and two references (person.png + hat.png) through "
+        "TextEncodeQwenImageEditPlus, CFG 2.5 over 20 steps at 1024x1024. Needs "
+        "qwen_image_edit_2509_fp8_e4m3fn.safetensors, qwen_2.5_vl_7b_fp8_scaled.safetensors, "
+        "qwen_image_vae.safetensors."
+    ),
+    "qwen_image_edit_2511_lora_training": (
+        "Train a Qwen-Image-Edit 2511 LoRA (layout auto: 2511's index_timestep_zero, the "
+        "references modulated at timestep 0). Needs ComfyUI 0.33 or newer (0.3.75 runs a 2511 "
+        "as a 2509) and qwen_image_edit_2511_bf16.safetensors (models/diffusion_models), "
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors, qwen_image_vae.safetensors.\n\nDataset and "
+        "previews as in the 2509 example: input/qwen_edit_demo, person.png + hat.png."
+    ),
+    "qwen_image_edit_2511_lora_inference": (
+        "Sample Qwen-Image-Edit 2511 with the LoRA the 2511 training example writes "
+        "(qwen_image_edit_2511_lora) and two references (person.png + hat.png), CFG 2.5 over 20 "
+        "steps at 1024x1024. Needs ComfyUI 0.33 or newer and qwen_image_edit_2511_bf16.safetensors, "
+        "qwen_2.5_vl_7b_fp8_scaled.safetensors, qwen_image_vae.safetensors."
+    ),
     "flux2_lora_inference": (
         "Sample FLUX.2 [dev] with the LoRA the FLUX.2 training example writes (flux2_lora) and two "
         "references (person.png + hat.png).\n\nNeeds FLUX.2 files the demo cannot make: "

@@ -7,8 +7,9 @@
   `.lora_B.weight` / `.alpha`, the same with `.lora_down` / `.lora_up`, and both without the
   `diffusion_model.` prefix;
 - diffusers, ai-toolkit, SimpleTuner: `transformer.<diffusers layer>.lora_A.weight` /
-  `.lora_B.weight`, optionally `.alpha`; OneTrainer / lycoris: the diffusers layer with
-  underscores after `lora_transformer_` / `lycoris_`;
+  `.lora_B.weight`, optionally `.alpha`; DiffSynth: the model's names with peft's adapter name,
+  `.lora_A.default.weight` / `.lora_B.default.weight`, no alpha; OneTrainer / lycoris: the
+  diffusers layer with underscores after `lora_transformer_` / `lycoris_`;
 - peft's `base_model.model.` prefix on the model's names (fal's Kontext trainer) or diffusers
   names.
 
@@ -45,6 +46,7 @@ _PAIRS = (
     (".lora_A.weight", ".lora_B.weight"),
     (".lora_down.weight", ".lora_up.weight"),
     (".lora.down.weight", ".lora.up.weight"),
+    (".lora_A.default.weight", ".lora_B.default.weight"),  # peft's adapter name kept (DiffSynth)
 )
 _UNDERSCORED = ("lora_unet_", "lora_transformer_", "lycoris_")
 _PEFT = "base_model.model."

@@ -4,7 +4,8 @@ entry's `detects`), as ComfyUI's `supported_models` match. Several entries can s
 `image_model` and one code path (FLUX.2 [dev] and [klein] 4B / 9B run ComfyUI's one FLUX.2
 class); `entry_for` picks the one whose `detects` match, the most specific first.
 
-A family lives in its own folder here (`flux/` registers FLUX.1, FLUX.2 [dev] and FLUX.2 [klein])
+A family lives in its own folder here (`flux/` registers FLUX.1, FLUX.2 [dev] and FLUX.2 [klein],
+`qwen_image/` Qwen-Image-Edit 2509 and 2511)
 and is a subclass of `ModelFamily` whose instances carry each model's facts (the fields) and
 whose methods say what training does differently for it (the protocol below). A run resolves
 its entry once (`model_family.family_of`) and carries it. Everything else, the run, the
@@ -174,6 +175,10 @@ class ModelFamily:
     def check_config(self, config) -> None:
         """Raise ValueError naming the fix for a setting the family cannot train with."""
 
+    def check_preview(self, preview) -> None:
+        """Raise ValueError naming the fix for PreviewSampler settings (`previews.PreviewSettings`)
+        the family cannot sample as the user's graph would (none by default)."""
+
     def file_notes(self, config) -> list[str]:
         """What a run with `config` should know about its LoRA file in other tools (shown on
         the node's progress line and logged); none by default."""
@@ -252,7 +257,7 @@ def refuse_variant(family: ModelFamily, variant: str | None, what: str = "this M
 
 
 def _all_named() -> dict[str, ModelFamily]:
-    from . import flux  # noqa: F401  (registers the built-in families)
+    from . import flux, qwen_image  # noqa: F401  (registers the built-in families)
 
     return FAMILIES
 

@@ -44,13 +44,22 @@ def test_comfyuis_image_model_names_pick_the_family_and_others_are_refused(famil
 
 
 def test_the_registry_holds_every_model_and_messages_name_them_from_it(families, flux):
+    import importlib
+
+    qwen = importlib.import_module(f"{families.__name__}.qwen_image")
     FAMILIES, trained_models = families.FAMILIES, families.trained_models
-    assert list(FAMILIES.values()) == [flux.FLUX1, flux.FLUX2, flux.KLEIN_4B, flux.KLEIN_9B]
-    assert trained_models() == "FLUX.1 (dev, Kontext), FLUX.2 [dev], FLUX.2 [klein] 4B and FLUX.2 [klein] 9B"
+    expected = [flux.FLUX1, flux.FLUX2, flux.KLEIN_4B, flux.KLEIN_9B, qwen.EDIT_2509, qwen.EDIT_2511]
+    assert list(FAMILIES.values()) == expected
+    assert trained_models() == (
+        "FLUX.1 (dev, Kontext), FLUX.2 [dev], FLUX.2 [klein] 4B, FLUX.2 [klein] 9B, "
+        "Qwen-Image-Edit 2509 and Qwen-Image-Edit 2511"
+    )
     # the entries of one image_model with the same layouts share one line of the layout tooltip
     assert families.layouts_by_family() == (
         "FLUX.1: offset, index, uxo, dreamomni2 (auto: offset). "
-        "FLUX.2: index, offset, uxo, index_timestep_zero (auto: index)."
+        "FLUX.2: index, offset, uxo, index_timestep_zero (auto: index). "
+        "Qwen-Image-Edit 2509: index, offset, index_timestep_zero (auto: index). "
+        "Qwen-Image-Edit 2511: index_timestep_zero, index, offset (auto: index_timestep_zero)."
     )
 
 

@@ -13,41 +13,19 @@ import torch
 from safetensors.torch import save_file
 
 from kt_testing.comfy_runtime import from_the_pack
+from kt_testing.lora_deltas import assert_same_deltas, stock_deltas
 from trainer_core.seed_lora import read_seed_lora
 
 RANK = 4
-
 
 
 def diffusers_places(names):
     """The Flux family's diffusers names (the pack's module, as ComfyUI loaded it)."""
     return from_the_pack("comfy_adapter.families.flux.lora_names").diffusers_places(names)
 
+
 def linear_shapes(flux) -> dict[str, tuple[int, int]]:
     return {name: tuple(m.weight.shape) for name, m in flux.named_modules() if isinstance(m, torch.nn.Linear)}
-
-
-def stock_deltas(patcher, lora: dict[str, torch.Tensor], names) -> dict[str, torch.Tensor]:
-    """Weight changes when ComfyUI's stock path applies `lora` at strength 1."""
-    import comfy.sd
-
-    flux = patcher.model.diffusion_model
-    before = {name: flux.get_submodule(name).weight.detach().clone() for name in names}
-    patched, _ = comfy.sd.load_lora_for_models(patcher, None, lora, 1.0, 0.0)
-    patched.patch_model(device_to=torch.device("cpu"))
-    try:
-        after = {name: flux.get_submodule(name).weight.detach().clone() for name in names}
-    finally:
-        patched.unpatch_model(device_to=torch.device("cpu"))
-    return {name: after[name] - before[name] for name in names if not torch.equal(after[name], before[name])}
-
-
-def assert_same_deltas(ours, stock):
-    assert set(ours) == set(stock)
-    for name, module in ours.items():
-        expected = stock[name]
-        error = (module.delta() - expected).abs().max() / expected.abs().max()
-        assert error <= 1e-6, (name, float(error))
 
 
 def test_kohya_file_matches_the_stock_loader(comfy_runtime, tmp_path):

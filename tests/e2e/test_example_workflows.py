@@ -100,11 +100,20 @@ def test_training_examples_preview_and_show_the_dataset_report(path):
         dataset = inputs["dataset"][0]
         shown = [n for n in source.values() if n["class_type"] == "PreviewAny"]
         assert any(n["inputs"]["source"] == [dataset, 1] for n in shown), f"{path.name}: no report shown"
-        # With references in the dataset, the previews use a reference image too.
+        # With references in the dataset, the previews use a reference image too: through
+        # MultiImageConditioning in the run's layout, or for Qwen-Image-Edit its encoder node,
+        # the negative the same node with an empty prompt and the same images.
         positive = source[preview["inputs"]["positive"][0]]
-        if "flux_dev" not in path.name:
+        if "qwen_image_edit" in path.name:
+            negative = source[preview["inputs"]["negative"][0]]
+            assert positive["class_type"] == negative["class_type"] == "TextEncodeQwenImageEditPlus"
+            assert negative["inputs"] == {**positive["inputs"], "prompt": ""}
+        elif "flux_dev" not in path.name:
             assert positive["class_type"] == "KontextTrainer_MultiImageConditioning"
             assert positive["inputs"]["layout"] == inputs["layout"]
+
+
+STOCK_ONLY = {"qwen_image_edit_2509_lora_inference", "qwen_image_edit_2511_lora_inference"}
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=lambda p: p.name)
@@ -128,7 +137,8 @@ def test_workflow_loads_and_converts_to_a_prompt(module_page, server, path):
     saved_types = {str(n["id"]): n["type"] for n in workflow["nodes"] if n["type"] not in FRONTEND_ONLY}
     assert {k: v["class_type"] for k, v in prompt.items()} == saved_types
     ours = {k: v for k, v in prompt.items() if v["class_type"].startswith("KontextTrainer_")}
-    assert ours, f"{path.name} does not use a Kontext Trainer node"
+    # (Qwen-Image-Edit samples a LoRA with stock nodes only: its encoder node takes the references)
+    assert ours or path.stem in STOCK_ONLY, f"{path.name} does not use a Kontext Trainer node"
 
     # A workflow generated from an API-format source (scripts/export_ui_workflows.py) must
     # still be exactly that source: what the demo queues is what users load.
@@ -237,6 +247,11 @@ def prepare_names(server, paths):
         # FLUX.2 [klein] 4B: the same (its VAE is FLUX.2's)
         "diffusion_models/flux-2-klein-base-4b.safetensors": paths["flux"],
         "text_encoders/qwen_3_4b.safetensors": paths["clip"],
+        # Qwen-Image-Edit 2509 / 2511: the same (CLIPLoader's type `qwen_image` is a combo value)
+        "diffusion_models/qwen_image_edit_2509_fp8_e4m3fn.safetensors": paths["flux"],
+        "diffusion_models/qwen_image_edit_2511_bf16.safetensors": paths["flux"],
+        "text_encoders/qwen_2.5_vl_7b_fp8_scaled.safetensors": paths["clip"],
+        "vae/qwen_image_vae.safetensors": paths["vae"],
     }
     for name, target in stand_ins.items():
         link = models / name
@@ -248,12 +263,19 @@ def prepare_names(server, paths):
         "lora_unet_double_blocks_0_img_attn_qkv.lora_up.weight": torch.zeros(12, 1),
         "lora_unet_double_blocks_0_img_attn_qkv.alpha": torch.tensor(1.0),
     }
-    for name in ("kontext_demo_lora.safetensors", "flux2_lora.safetensors", "flux2_klein_lora.safetensors"):
+    loras = (
+        "kontext_demo_lora",
+        "flux2_lora",
+        "flux2_klein_lora",
+        "qwen_image_edit_2509_lora",
+        "qwen_image_edit_2511_lora",
+    )
+    for name in (f"{lora}.safetensors" for lora in loras):
         lora = models / "loras" / name
         if not lora.exists():  # a trained one may be there (test_the_inference_example_runs_as_shipped)
             lora.parent.mkdir(exist_ok=True)
             save_file(stand_in_lora, str(lora))
-    for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo", "flux2_demo"):
+    for folder in ("kontext_demo", "dreamomni2_demo", "flux_dev_demo", "flux2_demo", "qwen_edit_demo"):
         (server.base_dir / "input" / folder).mkdir(exist_ok=True)
     user_files(server)
 
@@ -327,6 +349,10 @@ NEEDS_REAL_MODELS = {
     "flux2_lora_inference",
     "flux2_klein_lora_training",
     "flux2_klein_lora_inference",
+    "qwen_image_edit_2509_lora_training",
+    "qwen_image_edit_2509_lora_inference",
+    "qwen_image_edit_2511_lora_training",
+    "qwen_image_edit_2511_lora_inference",
     "multi_reference_dreamomni2",
 }
 

@@ -34,12 +34,14 @@ from kt_testing.dynamic_vram import (  # noqa: E402
 )
 from kt_testing.klein import klein_patcher, klein_text_encoder  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
+from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip  # noqa: E402
 from kt_testing.tiny_models import (  # noqa: E402
     small_flux2_vae,
     small_flux_vae,
     tiny_clip,
     tiny_flux2_patcher,
     tiny_flux_patcher,
+    tiny_qwen_image_patcher,
 )
 
 
@@ -71,6 +73,29 @@ TinyFlux2Model = _builder_node(
 )
 SmallFlux2VAE = _builder_node(
     "VAE", small_flux2_vae, 1, "Stands in for VAELoader with FLUX.2's VAE: 128 latent channels at 1/16."
+)
+TinyQwenImageEditModel = _builder_node(
+    "MODEL",
+    tiny_qwen_image_patcher,
+    3,
+    "Stands in for UNETLoader with a Qwen-Image-Edit 2509 file (the stock loader reads no Qwen "
+    "widths: ComfyUI's detection fixes them).",
+)
+TinyQwenImageEdit2511Model = _builder_node(
+    "MODEL",
+    functools.partial(tiny_qwen_image_patcher, release="2511"),
+    3,
+    "Stands in for UNETLoader with a Qwen-Image-Edit 2511 file (default_ref_method "
+    "index_timestep_zero, as ComfyUI 0.33 detects it).",
+)
+TinyQwenImageTextEncoder = _builder_node(
+    "CLIP",
+    tiny_qwen_image_clip,
+    2,
+    "Stands in for CLIPLoader type qwen_image: a narrow Qwen2.5-VL with a small vision tower.",
+)
+SmallWanVAE = _builder_node(
+    "VAE", small_wan_vae, 1, "Stands in for VAELoader with Qwen-Image's VAE (Wan 2.1)."
 )
 TinyFlux2TextEncoder = _builder_node(
     "CLIP",
@@ -349,6 +374,7 @@ class LatentDigest:
         latent = samples["samples"].double()
         return {"ui": {"digest": [float(latent.sum()), float(latent.abs().sum())]}}
 
+
 TinyKleinModel = _builder_node(
     "MODEL",
     klein_patcher,
@@ -374,6 +400,10 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFlux2TextEncoder": TinyFlux2TextEncoder,
     "KTTest_TinyKleinModel": TinyKleinModel,
     "KTTest_TinyKleinTextEncoder": TinyKleinTextEncoder,
+    "KTTest_TinyQwenImageEditModel": TinyQwenImageEditModel,
+    "KTTest_TinyQwenImageEdit2511Model": TinyQwenImageEdit2511Model,
+    "KTTest_TinyQwenImageTextEncoder": TinyQwenImageTextEncoder,
+    "KTTest_SmallWanVAE": SmallWanVAE,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,
     "KTTest_DiskFull": DiskFull,

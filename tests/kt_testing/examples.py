@@ -29,11 +29,11 @@ def succeeded(messages: list[dict]) -> None:
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
 
 
-def write_training_inputs(server, workflow: dict) -> None:
-    """The dataset folder the training workflow names (three 64 px samples, two references
-    each) and the images its LoadImage nodes read, in the server's input/."""
+def write_training_inputs(server, workflow: dict, samples=("a", "b", "c")) -> None:
+    """The dataset folder the training workflow names (three 64 px samples by default, two
+    references each) and the images its LoadImage nodes read, in the server's input/."""
     inputs = server.base_dir / "input"
     folder = inputs_of(workflow, "KontextTrainer_LoadKontextDataset")["folder"]
-    write_one_folder(inputs / folder, ["a", "b", "c"], references=2, size=(64, 64))
+    write_one_folder(inputs / folder, list(samples), references=2, size=(64, 64))
     for seed, node_id in enumerate(k for k, n in workflow.items() if n["class_type"] == "LoadImage"):
         color_image(64, 64, seed=500 + seed).save(inputs / workflow[node_id]["inputs"]["image"])

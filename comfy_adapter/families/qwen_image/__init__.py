@@ -17,8 +17,7 @@ What the family changes, all read from the MODEL:
 - the flux_shift sampler takes musubi-tuner's qwen_shift points.
 
 A sample is encoded as sampling encodes it, by ComfyUI's `TextEncodeQwenImageEditPlus`
-(`encoding`): vision tokens in the text, the node's own reference latents. Registered only by
-the tests until previews, examples and LoRA files for other tools are in (issue 43).
+(`encoding`): vision tokens in the text, the node's own reference latents.
 """
 
 from __future__ import annotations
@@ -31,9 +30,10 @@ import torch
 
 from ....trainer_core.lora_metadata import ModelNames
 from ....trainer_core.objective import QWEN_TOKEN_SHIFT_POINTS
+from ....trainer_core.seed_lora import Place
 from ....trainer_core.token_batch import TokenBatch, build_token_batch, pack_latent
 from ...model_view import compute_dtype
-from .. import ModelFamily
+from .. import ModelFamily, register
 from . import blocks, encoding, vram
 
 IMAGE_MODEL = "qwen_image"
@@ -125,6 +125,16 @@ class QwenImageFamily(ModelFamily):
                 "reference_dropout to 0"
             )
 
+    def check_preview(self, preview) -> None:
+        """True CFG needs the negative sampling uses: its text holds the reference images, so
+        the pack cannot make one from the positive (a zeroed text is no empty prompt)."""
+        if preview.cfg > 1 and preview.negative is None:
+            raise ValueError(
+                f"PreviewSampler's cfg is {preview.cfg:g} but it has no negative: for {self.title} "
+                f"connect a {encoding.NODE} with an empty prompt, the same images and the VAE to its "
+                "negative (as for sampling), or set cfg to 1"
+            )
+
     def pack(self, diffusion_model, layout: str, targets, references) -> TokenBatch:
         """The generic packing; a latent whose sides are not whole patches (the encoder node sizes
         references in multiples of 8 px) padded as ComfyUI's `process_img` pads it for the
@@ -148,6 +158,10 @@ class QwenImageFamily(ModelFamily):
         last = max((int(name.split(".")[1]) for name in chosen), default=0)
         unused = {f"transformer_blocks.{last}.{layer}" for layer in TEXT_OUTPUT}
         return [name for name in chosen if name not in unused]
+
+    def diffusers_places(self, linear_names: list[str]) -> dict:
+        """ComfyUI's Qwen-Image names its layers as diffusers does: each layer is its own place."""
+        return {name: Place(name) for name in linear_names}
 
     def blocks(self, diffusion_model) -> list[torch.nn.Module]:
         return list(diffusion_model.transformer_blocks)
@@ -236,13 +250,19 @@ def edit(release: str, layouts: tuple[str, ...], names: ModelNames, detects=()) 
     )
 
 
-EDIT_2509 = edit(
-    "2509", ("index", "offset", TIMESTEP_ZERO), _names("Qwen-Image-Edit-Plus/lora", "qwen_image_edit_plus")
+EDIT_2509 = register(
+    edit(
+        "2509",
+        ("index", "offset", TIMESTEP_ZERO),
+        _names("Qwen-Image-Edit-Plus/lora", "qwen_image_edit_plus"),
+    )
 )
-EDIT_2511 = edit(
-    "2511",
-    (TIMESTEP_ZERO, "index", "offset"),
-    _names("Qwen-Image-Edit-2511/lora", "qwen_image_edit_2511"),
-    detects=(("default_ref_method", TIMESTEP_ZERO),),
+EDIT_2511 = register(
+    edit(
+        "2511",
+        (TIMESTEP_ZERO, "index", "offset"),
+        _names("Qwen-Image-Edit-2511/lora", "qwen_image_edit_2511"),
+        detects=(("default_ref_method", TIMESTEP_ZERO),),
+    )
 )
 ENTRIES = (EDIT_2509, EDIT_2511)

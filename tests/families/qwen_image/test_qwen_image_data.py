@@ -18,7 +18,7 @@ from PIL import Image, ImageOps
 from kt_testing.datasets import write_one_folder
 from kt_testing.executor import InGraph, run_node
 from kt_testing.gradients import randomise_lora
-from kt_testing.graphs import cache_name, dataset_inputs
+from kt_testing.graphs import cache_name, dataset_inputs, preview_inputs
 from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip
 from kt_testing.tiny_models import tiny_qwen_image_patcher
 
@@ -167,3 +167,98 @@ def test_trainlora_trains_qwen_image_edit_and_the_stock_loader_applies_every_key
     assert not [r for r in caplog.records if "lora key not loaded" in r.getMessage()]
     outputs = [model_output(m, text=(5, 64), pooled=0, channels=16, frames=1) for m in (trained, stock)]
     assert torch.equal(outputs[0], outputs[1])
+
+
+def test_previews_sample_as_the_stock_ksampler_with_the_encoder_nodes_conditioning(built, registered, pack):
+    """Issue 43 item 4: a preview of a Qwen-Image-Edit run is what the stock KSampler and
+    VAEDecode give in a graph for the same conditioning (the encoder node's text and reference
+    latents, a negative holding the references, cfg 2.5), the same seed and size, with the run's
+    layout on both (`offset` here, not the model's `index`): its empty latent is Wan 2.1's 5-D
+    one. The LoRA starts at zero (peft's init), so the session's model is the base model."""
+    ft = importlib.import_module(f"{pack.__name__}.comfy_adapter.lora_session")
+    previews = importlib.import_module(f"{pack.__name__}.comfy_adapter.previews")
+    dataset, _ = built
+    sample = dataset.sample(dataset.entries[0])
+    (reference,) = sample.references
+    # the reference twice, cut to 16 x 12 latent pixels (the node's 1 MP costs time, not proof):
+    # with one, `offset` and `index` place it alike
+    reference = reference[..., :12, :16]
+    references = [reference[None], reference.flip(-1)[None]]
+    positive = [[sample.context[None], {"reference_latents": references}]]
+    negative = [[torch.zeros_like(sample.context[None]), {"reference_latents": references}]]
+    vae = small_wan_vae(seed=1)
+    widgets = {**preview_inputs(None, None, 1), "cfg": 2.5, "steps": 2, "width": 80, "height": 64}
+    del widgets["positive"], widgets["vae"]
+    settings = run_node(
+        "KontextTrainer_PreviewSampler",
+        {
+            **widgets,
+            "positive": InGraph(lambda: positive),
+            "negative": InGraph(lambda: negative),
+            "vae": InGraph(lambda: vae),
+        },
+    ).outputs[0]
+    model = tiny_qwen_image_patcher(seed=3)
+    config = ft.TrainConfig(rank=2, alpha=2.0, gradient_checkpointing=False, layout="offset")
+    with ft.lora_session(model, config) as session:
+        ours = previews.sample_previews(session, settings, "offset")
+
+    def stock_graph(conditioning):
+        return [[c, {**o, "reference_latents_method": "offset"}] for c, o in conditioning]
+
+    latent = run_node("EmptySD3LatentImage", {"width": 80, "height": 64, "batch_size": 1}).outputs[0]
+    sampled = run_node(
+        "KSampler",
+        {
+            "model": InGraph(lambda: tiny_qwen_image_patcher(seed=3)),
+            "seed": 0,
+            "steps": 2,
+            "cfg": 2.5,
+            "sampler_name": "euler",
+            "scheduler": "simple",
+            "positive": InGraph(lambda: stock_graph(positive)),
+            "negative": InGraph(lambda: stock_graph(negative)),
+            "latent_image": InGraph(lambda: latent),
+            "denoise": 1.0,
+        },
+    ).outputs[0]
+    (stock,) = run_node(
+        "VAEDecode", {"samples": InGraph(lambda: sampled), "vae": InGraph(lambda: vae)}
+    ).outputs
+    stock = stock.reshape(-1, *stock.shape[-3:]).float()
+    assert ours.shape == stock.shape == (1, 64, 80, 3)
+    assert float(ours.std()) > 0
+    torch.testing.assert_close(ours, stock, rtol=0, atol=1e-5)
+
+
+def test_previews_with_true_cfg_and_no_negative_are_refused_naming_the_encoder_node(built, registered, pack):
+    """The pack cannot make Qwen-Image-Edit's negative (its text holds the images): TrainLoRA
+    refuses before training, naming the node to connect; at cfg 1 the negative is unused."""
+    import dataclasses
+
+    config = importlib.import_module(f"{pack.__name__}.trainer_core.config").TrainConfig
+    settings = {f.name: f.default for f in dataclasses.fields(config)}
+    settings.update(steps=1, rank=2, alpha=2.0, gradient_checkpointing=False, save_every=0, validate_every=0)
+    vae = small_wan_vae(seed=1)
+    dataset, _ = built
+    positive = [[dataset.sample(dataset.entries[0]).context[None], {}]]
+    for cfg, name in ((2.5, "kt_qwen_no_negative"), (1.0, "kt_qwen_cfg_one")):
+        widgets = {**preview_inputs(None, None, 1), "cfg": cfg, "steps": 1}
+        widgets.update(positive=InGraph(lambda: positive), vae=InGraph(lambda: vae))
+        preview = run_node("KontextTrainer_PreviewSampler", widgets).outputs[0]
+        inputs = {
+            "model": InGraph(lambda: tiny_qwen_image_patcher(seed=3)),
+            "dataset": dataset,
+            "lora_name": name,
+            "overwrite": False,
+            "resume_from": "none",
+            "preview": InGraph(lambda preview=preview: preview),
+            **settings,
+        }
+        if cfg > 1:
+            fix = "connect a TextEncodeQwenImageEditPlus with an empty prompt, the same images and the VAE"
+            with pytest.raises(ValueError, match=f"cfg is 2.5 but it has no negative: .*{fix}"):
+                run_node("KontextTrainer_TrainLoRA", inputs, node_id="9")
+        else:
+            losses = run_node("KontextTrainer_TrainLoRA", inputs, node_id="9").outputs[2]
+            assert len(losses["loss"]) == 1
