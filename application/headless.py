@@ -308,12 +308,14 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
         model, vae, clip = load_models(config.model)
         as_after_a_node()  # the loaders' nodes end here in a workflow
         say(f"training on {load_device(model)}", rank)
+        # what the model alone decides, before the dataset is encoded
+        in_section("model", lambda: prepared.resolve_layout(model))  # `auto`: the model's own
+        in_section("train", lambda: prepared.check_config(model))
         dataset, report = in_section(
             "dataset", lambda: prepare_dataset(vae, clip, config, collective, checked)
         )
         as_after_a_node()  # and LoadKontextDataset's here
         say("dataset:\n  " + report.replace("\n", "\n  "), rank)
-        in_section("model", lambda: prepared.resolve_layout(model))  # `auto`: the model's own
         in_section("train", lambda: prepared.check_resume(dataset))
         in_section("model", lambda: prepared.check_model(model, dataset))
         if prepared.run.resume is not None:

@@ -129,10 +129,15 @@ class PreparedRun:
             self.run.notes.append(note)
         LOGGER.warning("TrainLoRA %s: %s", self.paths.stem, note)
 
+    def check_config(self, model) -> None:
+        """The model's family can train with these settings (the model alone decides: the
+        command line checks it before the dataset is encoded)."""
+        self.family_for(model).check_config(self.config)
+
     def check_model(self, model, dataset) -> None:
         """The model can train this dataset with this config (family, layout, quantization)."""
         check_model_fits(model, dataset, self.config.layout, self.family_for(model))
-        self.family_for(model).check_config(self.config)
+        self.check_config(model)
         check_quantized_model(model, self.config.fp8_mode)
 
     def run_to_end(

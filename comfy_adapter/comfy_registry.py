@@ -11,8 +11,18 @@ def _comfy_nodes():
     return importlib.import_module("nodes")
 
 
-def node_class(class_type: str) -> type:
+def node_class(class_type: str, extras_file: str | None = None) -> type:
+    """The registered class of `class_type`. A node of ComfyUI's own `comfy_extras/extras_file`
+    that is not registered yet (the command line boots ComfyUI without its extra nodes: the
+    server loads them at start) is loaded first, by ComfyUI's own loader, as the server loads it."""
     comfy_nodes = _comfy_nodes()
+    if class_type not in comfy_nodes.NODE_CLASS_MAPPINGS and extras_file is not None:
+        import asyncio
+        import os
+
+        folder = os.path.join(os.path.dirname(os.path.realpath(comfy_nodes.__file__)), "comfy_extras")
+        path = os.path.join(folder, extras_file)
+        asyncio.run(comfy_nodes.load_custom_node(path, module_parent="comfy_extras"))
     if class_type not in comfy_nodes.NODE_CLASS_MAPPINGS:
         raise ValueError(f"the node type {class_type} is not installed in this ComfyUI")
     return comfy_nodes.NODE_CLASS_MAPPINGS[class_type]

@@ -98,8 +98,9 @@ labels=("0.3.75 e2e" "0.3.75" "0.33 e2e" "0.33 in-process")
 # Version-independent files the 0.3.75 run takes over from 0.33's in-process run: that run ended
 # the suite, alone on the machine for its last 73 s, while 0.3.75's had ended 290 s before it
 # (fresh clone on 5ac3e56). The torchrun tests cost 124 s of CPU in that run; alone, 109 s on
-# 0.33 against 99 s on 0.3.75 (measured one after the other).
-VERSION_INDEPENDENT_ON_0375=(tests/application/test_headless_parallel.py)
+# 0.33 against 99 s on 0.3.75 (measured one after the other). Qwen-Image-Edit's command-line
+# file joins them (124 s alone on 0.3.75; the 0.33 in-process run still ended the suite).
+VERSION_INDEPENDENT_ON_0375=(tests/application/test_headless_parallel.py tests/application/test_headless_qwen.py)
 # And the two the 0.3.75 e2e run takes over: it ended first, 411 s before 0.33's in-process run
 # and 571 s before the suite (fresh clone on 40fa3f1: 1301, 1696, 1712 and 1872 s); they cost
 # 212 s (0.33 in-process) and 56 s (0.33 e2e) of that run's time.

@@ -57,27 +57,43 @@ class GpuRun:
 
 # -- models and probes ------------------------------------------------------------------------
 def cpu_patcher(seed: int, dtype=None, manual_cast_dtype=None, family: str = "flux", **overrides):
-    """A tiny Flux (`family`: flux, flux2 or klein) MODEL that ComfyUI loads onto the CPU whatever
-    device it runs on: the reference computation (fp32 on the CPU, as the CPU layers test it)."""
+    """A tiny Flux (`family`: flux, flux2 or klein) or Qwen-Image (qwen_image) MODEL that ComfyUI
+    loads onto the CPU whatever device it runs on: the reference computation (fp32 on the CPU, as
+    the CPU layers test it)."""
     import comfy.model_patcher
     import torch
 
     from kt_testing.klein import KLEIN_CONFIG
     from kt_testing.tiny_models import TINY_FLUX2_CONFIG, TINY_FLUX_CONFIG, build_flux_model
 
-    config = {"flux": TINY_FLUX_CONFIG, "flux2": TINY_FLUX2_CONFIG, "klein": KLEIN_CONFIG}[family]
-    model = build_flux_model({**config, **overrides}, seed, dtype or torch.float32, manual_cast_dtype)
+    if family == "qwen_image":
+        from kt_testing.tiny_models import tiny_qwen_image_patcher
+
+        model = tiny_qwen_image_patcher(
+            seed, dtype or torch.float32, manual_cast_dtype=manual_cast_dtype
+        ).model
+    else:
+        config = {"flux": TINY_FLUX_CONFIG, "flux2": TINY_FLUX2_CONFIG, "klein": KLEIN_CONFIG}[family]
+        model = build_flux_model({**config, **overrides}, seed, dtype or torch.float32, manual_cast_dtype)
     cpu = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
 
 
 def model_output(
-    patcher, seed=0, sigma=0.5, text=(5, 48), pooled=32, transformer_options=None, load=True, channels=16
+    patcher,
+    seed=0,
+    sigma=0.5,
+    text=(5, 48),
+    pooled=32,
+    transformer_options=None,
+    load=True,
+    channels=16,
+    frames=None,
 ):
     """`kt_testing.probes.model_output` with the inputs on the patcher's load device: load the
     MODEL the normal way (`load=False` inside a training session, which holds its clone
     loaded), then ComfyUI's `apply_model` on a fixed input (same draws). FLUX.2: channels=128,
-    pooled=0."""
+    pooled=0. Qwen-Image: frames=1 (5-D latents, no guidance input), pooled=0."""
     import comfy.model_management
     import torch
 
@@ -85,11 +101,11 @@ def model_output(
         comfy.model_management.load_models_gpu([patcher])
     device = patcher.load_device
     gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(1, channels, 8, 8, generator=gen)
-    cond = {
-        "c_crossattn": torch.randn(1, *text, generator=gen).to(device),
-        "guidance": torch.tensor([1.0], device=device),
-    }
+    lead = (channels,) if frames is None else (channels, frames)
+    x = torch.randn(1, *lead, 8, 8, generator=gen)
+    cond = {"c_crossattn": torch.randn(1, *text, generator=gen).to(device)}
+    if frames is None:
+        cond["guidance"] = torch.tensor([1.0], device=device)
     if pooled:
         cond["y"] = torch.randn(1, pooled, generator=gen).to(device)
     if transformer_options is None:

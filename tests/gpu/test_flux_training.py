@@ -38,13 +38,14 @@ def bf16_config(mods, **overrides):
     return mods.ft.TrainConfig(**{**settings, **overrides})
 
 
-@pytest.mark.parametrize("family", ["flux", "flux2", "klein"])
+@pytest.mark.parametrize("family", ["flux", "flux2", "klein", "qwen_image"])
 def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     """The same LoRA values, samples and draws: loss, gradients and the first optimizer step's
     loss of a bf16 model on the GPU against the fp32 model on the CPU; then the step leaves a
     finite, changed LoRA on the GPU and the MODEL exactly as loaded. FLUX.2 too (its index
     layout, 128-channel latents, no pooled text), and FLUX.2 [klein] (issue 42: no guidance
-    embedder, one head of 128; ComfyUI 0.33 or newer)."""
+    embedder, one head of 128; ComfyUI 0.33 or newer), and Qwen-Image-Edit 2509 (issue 43: 5-D
+    latents, its text 64 wide in the tiny model, ComfyUI's ids and `index`)."""
     import dataclasses
 
     import torch
@@ -53,15 +54,22 @@ def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     from kt_testing.probes import tiny_samples
     from kt_testing.tiny_models import TINY_FAMILIES
 
-    if family == "klein":
-        if not comfy_has_klein():
-            pytest.skip("ComfyUI 0.3.75 cannot build FLUX.2 [klein]")
-        tiny = dataclasses.replace(TINY_FAMILIES["flux2"], patcher=klein_patcher)
+    if family == "qwen_image":
+        samples, tiny = qwen_image_samples(mods), qwen_image_family()
     else:
-        tiny = TINY_FAMILIES[family]
-    samples = tiny_samples(mods.flow_step.Sample, 2, 3, [(8, 6)], channels=tiny.channels, pooled=tiny.pooled)
+        if family == "klein":
+            if not comfy_has_klein():
+                pytest.skip("ComfyUI 0.3.75 cannot build FLUX.2 [klein]")
+            tiny = dataclasses.replace(TINY_FAMILIES["flux2"], patcher=klein_patcher)
+        else:
+            tiny = TINY_FAMILIES[family]
+        samples = tiny_samples(
+            mods.flow_step.Sample, 2, 3, [(8, 6)], channels=tiny.channels, pooled=tiny.pooled
+        )
     config = bf16_config(mods, layout=tiny.layout)
     probe = {"channels": tiny.channels, "pooled": tiny.pooled}
+    if family == "qwen_image":
+        probe.update(text=(5, QWEN_TEXT_WIDTH), frames=1)
 
     def train_one_step(session):
         return mods.loop.train(config, session.lora.parameters(), lambda i: samples, session.loss).losses[0]
@@ -95,6 +103,33 @@ def test_one_bf16_step_follows_the_cpu_fp32_reference(gpu, mods, family):
     assert gradient_error <= BF16_GRADIENTS
     assert {p.dtype for p in model.model.diffusion_model.parameters()} == {torch.bfloat16}
     assert torch.equal(model_output(model, **probe), before)
+
+
+QWEN_TEXT_WIDTH = 64  # the tiny Qwen-Image's joint_attention_dim
+
+
+def qwen_image_family():
+    """The tiny Qwen-Image-Edit as the other families' `TinyFamily` (16 channels, no pooled text)."""
+    from kt_testing.tiny_models import TinyFamily, tiny_qwen_image_patcher
+
+    return TinyFamily("qwen_image", tiny_qwen_image_patcher, 16, 0, "index", None)
+
+
+def qwen_image_samples(mods):
+    """Two samples with Wan 2.1's 5-D latents and one reference each."""
+    import torch
+
+    gen = torch.Generator().manual_seed(3)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen)
+
+    return [
+        mods.flow_step.Sample(
+            randn(16, 1, 8, 6), randn(5, QWEN_TEXT_WIDTH), torch.zeros(0), [randn(16, 1, 6, 8)]
+        )
+        for _ in range(2)
+    ]
 
 
 def lora_on_every_block_linear(mods, model, seed: int = 21, rank: int = 2):

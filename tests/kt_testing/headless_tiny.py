@@ -22,13 +22,15 @@ from trainer_core.__main__ import pack_cli  # noqa: E402
 
 RESETS_MARK = "kt test: ComfyUI's cast buffers reset"  # printed at exit with the count
 # "klein": the tiny FLUX.2 [klein] (KTTest_TinyKleinModel seed 3), FLUX.2's VAE stand-in (seed 1)
-# and a tiny Qwen3 through ComfyUI's klein text encoder (seed 2); ComfyUI 0.33 or newer
+# and a tiny Qwen3 through ComfyUI's klein text encoder (seed 2); ComfyUI 0.33 or newer.
+# "qwen_image": the tiny Qwen-Image-Edit 2509 (seed 3), the narrow Wan 2.1 VAE (seed 1) and the
+# tiny Qwen2.5-VL (seed 2), as KTTest_TinyQwenImageEditModel and its neighbours build them
 TINY_MODELS_ENV = "KT_TEST_TINY_MODELS"
 
 
 def load_tiny_models(files):
-    """(MODEL, VAE, CLIP) as the test nodes make them (the tiny Flux's, or klein's where
-    `TINY_MODELS_ENV` says so); `files` (the config's [model]) unused.
+    """(MODEL, VAE, CLIP) as the test nodes make them (the tiny Flux's, or klein's or Qwen-Image's
+    where `TINY_MODELS_ENV` says so); `files` (the config's [model]) unused.
     With `KT_TEST_DYNAMIC_VRAM=1` (and `dynamic_vram.server_env()`'s PYTHONPATH), ComfyUI's
     dynamic VRAM is emulated once they are built (`dynamic_vram.emulate`: they stay plain
     patchers), and the command's calls of ComfyUI's `reset_cast_buffers` are counted and
@@ -41,6 +43,11 @@ def load_tiny_models(files):
         from kt_testing.tiny_models import small_flux2_vae
 
         models = klein_patcher(seed=3), small_flux2_vae(seed=1), qwen3_clip(seed=2)
+    elif os.environ.get(TINY_MODELS_ENV) == "qwen_image":
+        from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip
+        from kt_testing.tiny_models import tiny_qwen_image_patcher
+
+        models = tiny_qwen_image_patcher(seed=3), small_wan_vae(seed=1), tiny_qwen_image_clip(seed=2)
     else:
         models = tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
     if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # after the builds: each stays a plain patcher

@@ -289,17 +289,24 @@ TINY_QWEN_IMAGE_CONFIG = {
 }
 
 
-def tiny_qwen_image_patcher(seed: int = 0, dtype: torch.dtype = torch.float32, release: str = "2509"):
+def tiny_qwen_image_patcher(
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    release: str = "2509",
+    manual_cast_dtype: torch.dtype | None = None,
+):
     """A MODEL around a tiny Qwen-Image(-Edit) built by ComfyUI's own model config, as a loader
-    hands it over; `release` 2511 records `default_ref_method` `index_timestep_zero`, as ComfyUI
-    0.33's detection does for a file with the `__index_timestep_zero__` key."""
+    hands it over (weights in `dtype`, computed in `manual_cast_dtype` if given, as UNETLoader's
+    fp8 weight_dtype sets it); `release` 2511 records `default_ref_method`
+    `index_timestep_zero`, as ComfyUI 0.33's detection does for a file with the
+    `__index_timestep_zero__` key."""
     import comfy.supported_models
 
     unet_config = dict(TINY_QWEN_IMAGE_CONFIG)
     if release == "2511":
         unet_config["default_ref_method"] = "index_timestep_zero"
     model_config = comfy.supported_models.QwenImage(unet_config)
-    model_config.set_inference_dtype(dtype, None)
+    model_config.set_inference_dtype(dtype, manual_cast_dtype)
     model = model_config.get_model({})
     seeded_init_(model.diffusion_model, seed)
     return flux_patcher(model.eval())

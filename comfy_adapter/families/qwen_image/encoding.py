@@ -15,6 +15,7 @@ import torch
 from ...comfy_registry import node_class
 
 NODE = "TextEncodeQwenImageEditPlus"
+NODE_FILE = "nodes_qwen.py"  # where ComfyUI keeps it (comfy_extras/)
 MAX_REFERENCES = 3  # the node's image1 .. image3
 
 
@@ -27,7 +28,7 @@ def encodes_for_qwen_image(clip) -> bool:
 
 def sample_encoder(vae, clip):
     """`trainer_core.dataset.SampleEncoder` running the node class with `clip` and `vae`."""
-    node = node_class(NODE)
+    node = node_class(NODE, NODE_FILE)
 
     def encode(caption: str, images: list[np.ndarray], with_references: bool):
         if len(images) > MAX_REFERENCES:
