@@ -18,9 +18,7 @@ from kt_testing.datasets import write_one_folder
 from kt_testing.headless import (
     DRAWS,
     assert_same_run,
-    checkpoints,
-    command,
-    final_state,
+    global_batch_run,
     run,
     torchrun,
     write_config,
@@ -50,9 +48,7 @@ def files(tmp_path_factory, comfy_runtime):
 @pytest.fixture(scope="module")
 def single(files):
     """One process, the global batch (2): its output and final state."""
-    result = run(command(files.config("single", batch_size=2)), env=KLEIN)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result, final_state(checkpoints(files.base, "single")[-1])
+    return global_batch_run(files, KLEIN)
 
 
 def test_the_command_trains_klein_under_its_own_names(files, single):

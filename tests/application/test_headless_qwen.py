@@ -25,9 +25,8 @@ from kt_testing.datasets import write_one_folder
 from kt_testing.headless import (
     DRAWS,
     assert_same_run,
-    checkpoints,
     command,
-    final_state,
+    global_batch_run,
     run,
     torchrun,
     write_config,
@@ -66,9 +65,7 @@ def test_a_setting_qwen_cannot_train_with_is_refused_before_the_dataset_is_encod
 @pytest.fixture(scope="module")
 def single(files):
     """One process, the global batch (2): its output and final state."""
-    result = run(command(files.config("single", batch_size=2)), env=QWEN)
-    assert result.returncode == 0, result.stdout + result.stderr
-    return result, final_state(checkpoints(files.base, "single")[-1])
+    return global_batch_run(files, QWEN)
 
 
 def test_the_command_trains_qwen_image_edit_under_musubi_tuners_names(files, single):

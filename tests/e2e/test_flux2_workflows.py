@@ -18,6 +18,7 @@ from kt_testing.examples import (
     PYTORCH_ATTENTION,
     inputs_of,
     only_id,
+    saved_image,
     shipped,
     succeeded,
     write_training_inputs,
@@ -117,11 +118,7 @@ def run_inference(
         inputs_of(workflow, "LoraLoaderModelOnly")["lora_name"] = lora_name
     if layout is not None:
         inputs_of(workflow, "KontextTrainer_MultiImageConditioning")["layout"] = layout
-    prompt_id, messages = server.run_prompt(workflow, timeout=600)
-    succeeded(messages)
-    (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
-    path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
-    return workflow, np.asarray(Image.open(path).convert("RGB")).astype(int)
+    return workflow, saved_image(server, workflow)
 
 
 def test_the_inference_example_applies_the_trained_lora(server, trained):

@@ -22,7 +22,6 @@ import itertools
 
 import numpy as np
 import pytest
-from PIL import Image
 from safetensors.torch import save_file
 
 from kt_testing.dynamic_vram import EMULATION_MARK, comfyui_has_dynamic_vram, server_env
@@ -30,6 +29,7 @@ from kt_testing.examples import (
     PYTORCH_ATTENTION,
     inputs_of,
     only_id,
+    saved_image,
     shipped,
     succeeded,
     write_training_inputs,
@@ -121,11 +121,7 @@ def run_inference(server, strength: float) -> np.ndarray:
     workflow = with_stand_ins(shipped(INFERENCE))
     inputs_of(workflow, "LoraLoaderModelOnly")["strength_model"] = strength
     inputs_of(workflow, "KSampler")["steps"] = 2
-    prompt_id, messages = server.run_prompt(workflow, timeout=600)
-    succeeded(messages)
-    (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
-    path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
-    return np.asarray(Image.open(path)).astype(int)
+    return saved_image(server, workflow)
 
 
 def test_the_klein_inference_example_applies_the_trained_lora(server, trained):

@@ -22,12 +22,12 @@ import json
 
 import numpy as np
 import pytest
-from PIL import Image
 
 from kt_testing.examples import (
     PYTORCH_ATTENTION,
     inputs_of,
     only_id,
+    saved_image,
     shipped,
     succeeded,
     write_training_inputs,
@@ -110,11 +110,7 @@ def run_inference(server, strength: float) -> np.ndarray:
     inputs_of(workflow, "LoraLoaderModelOnly")["strength_model"] = strength
     inputs_of(workflow, "KSampler")["steps"] = 2
     inputs_of(workflow, "EmptySD3LatentImage").update(width=256, height=256)
-    prompt_id, messages = server.run_prompt(workflow, timeout=600)
-    succeeded(messages)
-    (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
-    path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
-    return np.asarray(Image.open(path)).astype(int)
+    return saved_image(server, workflow)
 
 
 def test_the_inference_example_applies_the_trained_lora(server, trained):

@@ -29,6 +29,18 @@ def succeeded(messages: list[dict]) -> None:
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
 
 
+def saved_image(server, workflow: dict):
+    """Run `workflow` to its end on `server`: its one SaveImage's image, as an int array."""
+    import numpy as np
+    from PIL import Image
+
+    prompt_id, messages = server.run_prompt(workflow, timeout=600)
+    succeeded(messages)
+    (saved,) = server.history(prompt_id)["outputs"][only_id(workflow, "SaveImage")]["images"]
+    path = server.base_dir / "output" / saved["subfolder"] / saved["filename"]
+    return np.asarray(Image.open(path).convert("RGB")).astype(int)
+
+
 def write_training_inputs(server, workflow: dict, samples=("a", "b", "c")) -> None:
     """The dataset folder the training workflow names (three 64 px samples by default, two
     references each) and the images its LoadImage nodes read, in the server's input/."""

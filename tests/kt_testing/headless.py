@@ -146,3 +146,11 @@ def assert_same_run(base: Path, name: str, single: tuple[list[float], dict], ste
         torch.testing.assert_close(lora[key], value, rtol=1e-4, atol=1e-5)
     # the update did something: the trained up-projections are no longer zero
     assert any(float(v.abs().max()) > 0 for k, v in lora.items() if k.endswith("lora_up.weight"))
+
+
+def global_batch_run(files, env: dict, name: str = "single", batch_size: int = 2):
+    """One process training the global batch (`files.config(name, batch_size=...)`, the
+    command with `env`), to compare a torchrun run with: its output and final state."""
+    result = run(command(files.config(name, batch_size=batch_size)), env=env)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, final_state(checkpoints(files.base, name)[-1])
