@@ -138,6 +138,8 @@ class PreparedRun:
         """The model can train this dataset with this config (family, layout, quantization)."""
         check_model_fits(model, dataset, self.config.layout, self.family_for(model))
         self.check_config(model)
+        if self.request.model_file is not None:
+            self.family_for(model).check_model_file(self.request.model_file, diffusion_module(model))
         check_quantized_model(model, self.config.fp8_mode)
 
     def run_to_end(

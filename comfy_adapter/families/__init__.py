@@ -175,6 +175,10 @@ class ModelFamily:
     def check_config(self, config) -> None:
         """Raise ValueError naming the fix for a setting the family cannot train with."""
 
+    def check_model_file(self, path, diffusion_model) -> None:
+        """Raise ValueError naming the fix where the MODEL's file (`path`, a safetensors file the
+        graph or the run file names) says more than this ComfyUI read from it (none by default)."""
+
     def check_preview(self, preview) -> None:
         """Raise ValueError naming the fix for PreviewSampler settings (`previews.PreviewSettings`)
         the family cannot sample as the user's graph would (none by default)."""

@@ -6,9 +6,10 @@ the inference example (`api/qwen_image_edit_2509_lora_inference.json`: the stock
 LoraLoaderModelOnly, the encoder node, KSampler) applies the LoRA it writes. The model, text
 encoder and VAE are stand-ins built by ComfyUI's own classes (`kt_test_nodes`: the stock
 UNETLoader reads no Qwen widths, as ComfyUI's detection fixes them); everything else is as
-shipped. On ComfyUI 0.33 the training example also trains a 2511 (its `default_ref_method`
-`index_timestep_zero`, as 0.33 detects it): layout `auto` resolves to it and the LoRA names
-the model as musubi-tuner does.
+shipped. The 2511 training example, its model file holding 2511's key: on ComfyUI 0.33 it
+trains a 2511 (its `default_ref_method` `index_timestep_zero`, as 0.33 detects it; layout `auto`
+resolves to it and the LoRA names the model as musubi-tuner does); on 0.3.75, which runs the
+file as a 2509, TrainLoRA refuses it naming the update.
 
 The encoder node sizes every reference at about 1 MP, so each forward of the tiny model holds
 two 4096-token references (about 1.5 s of the tiny model on one core) and each reference costs a
@@ -22,6 +23,8 @@ import json
 
 import numpy as np
 import pytest
+import torch
+from safetensors.torch import save_file
 
 from kt_testing.examples import (
     PYTORCH_ATTENTION,
@@ -39,6 +42,7 @@ from trainer_core.lora_file import load
 
 TRAINING, INFERENCE = "qwen_image_edit_2509_lora_training.json", "qwen_image_edit_2509_lora_inference.json"
 TRAINING_2511, INFERENCE_2511 = (name.replace("2509", "2511") for name in (TRAINING, INFERENCE))
+TIMESTEP_ZERO_KEY = "__index_timestep_zero__"  # ComfyUI 0.33's detection of a 2511 file
 STAND_INS = {
     "UNETLoader": ("KTTest_TinyQwenImageEditModel", 3),
     "CLIPLoader": ("KTTest_TinyQwenImageTextEncoder", 2),
@@ -122,24 +126,45 @@ def test_the_inference_example_applies_the_trained_lora(server, trained):
     assert np.abs(with_lora - run_inference(server, 0.0)).max() > 0  # the LoRA changes the image
 
 
-def test_the_2511_training_example_trains_at_timestep_zero(server, trained):
-    """`api/qwen_image_edit_2511_lora_training.json` on a 2511 (cut to 2 steps without previews,
-    snapshots or a held-out loss; the dataset the 2509 run cached): layout `auto` resolves to
-    2511's `index_timestep_zero` and the LoRA names the model as musubi-tuner does."""
-    if not runs_2511():
-        pytest.skip(
-            "ComfyUI 0.3.75 cannot run Qwen-Image-Edit 2511 (tests/families/qwen_image shows the refusal)"
-        )
-    workflow = with_stand_ins(shipped(TRAINING_2511), model="KTTest_TinyQwenImageEdit2511Model")
+def test_the_2511_training_example_trains_at_timestep_zero_or_names_comfyui_033(server, trained):
+    """`api/qwen_image_edit_2511_lora_training.json` (cut to 2 steps without previews, snapshots or
+    a held-out loss; the dataset the 2509 run cached) with its model file in
+    models/diffusion_models: a file holding 2511's `__index_timestep_zero__` key (the MODEL a
+    stand-in that names it, as UNETLoader does). ComfyUI 0.33 detects 2511: layout `auto` resolves
+    to its `index_timestep_zero` and the LoRA names the model as musubi-tuner does. ComfyUI
+    0.3.75 ignores the key and runs the file as a 2509: TrainLoRA refuses, naming the update."""
+    workflow = with_stand_ins(shipped(TRAINING_2511))
+    unet = inputs_of(shipped(TRAINING_2511), "UNETLoader")["unet_name"]
+    (server.base_dir / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
+    save_file(
+        {TIMESTEP_ZERO_KEY: torch.zeros(0)}, str(server.base_dir / "models" / "diffusion_models" / unet)
+    )
+    release = "2511" if runs_2511() else "2509"  # what this ComfyUI's detection makes of the file
+    workflow[only_id(workflow, "KTTest_TinyQwenImageEditModel")] = {
+        "class_type": "KTTest_TinyQwenImageEditFile",
+        "inputs": {"unet_name": unet, "release": release, "seed": 3},
+    }
     train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
     train.update(steps=2, save_every=0, validate_every=0)
     del train["preview"]
     _, messages = server.run_prompt(workflow, timeout=600)
+    lora = server.base_dir / "models" / "loras" / f"{train['lora_name']}.safetensors"
+    if not runs_2511():
+        error = messages[-1]
+        assert error["type"] == "execution_error", error
+        assert error["data"]["node_type"] == "KontextTrainer_TrainLoRA"
+        message = error["data"]["exception_message"]
+        assert f"{unet} is Qwen-Image-Edit 2511 (its {TIMESTEP_ZERO_KEY} key), which this ComfyUI" in message
+        assert "runs as 2509" in message, message
+        assert message.rstrip().endswith("Update ComfyUI to 0.33 or newer"), message
+        assert not lora.exists()
+        return
     succeeded(messages)
-    tensors, metadata = load(server.base_dir / "models" / "loras" / f"{train['lora_name']}.safetensors")
+    tensors, metadata = load(lora)
     assert metadata["ss_base_model_version"] == "qwen_image_edit_2511"
     assert metadata["modelspec.architecture"] == "Qwen-Image-Edit-2511/lora"
     assert metadata["kontext_trainer.layout"] == "index_timestep_zero"
+    assert metadata["ss_sd_model_name"] == unet
     assert any(float(v.abs().max()) > 0 for k, v in tensors.items() if k.endswith("lora_up.weight"))
 
 

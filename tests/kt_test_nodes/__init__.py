@@ -88,6 +88,31 @@ TinyQwenImageEdit2511Model = _builder_node(
     "Stands in for UNETLoader with a Qwen-Image-Edit 2511 file (default_ref_method "
     "index_timestep_zero, as ComfyUI 0.33 detects it).",
 )
+
+
+class TinyQwenImageEditFile:
+    """Stands in for UNETLoader reading a Qwen-Image-Edit file by name: `unet_name` is what the
+    pack reads as the MODEL's file (TrainLoRA follows the widget back); the MODEL is the tiny
+    Qwen-Image-Edit of `release`, as this ComfyUI detects that file."""
+
+    CATEGORY = "kontext trainer tests"
+    RETURN_TYPES = ("MODEL",)
+    FUNCTION = "build"
+
+    @classmethod
+    def INPUT_TYPES(cls):
+        return {
+            "required": {
+                "unet_name": ("STRING", {"default": ""}),
+                "release": (["2509", "2511"],),
+                "seed": ("INT", {"default": 3, "min": 0, "max": 1000}),
+            }
+        }
+
+    def build(self, unet_name, release, seed):
+        return (tiny_qwen_image_patcher(seed=seed, release=release),)
+
+
 TinyQwenImageTextEncoder = _builder_node(
     "CLIP",
     tiny_qwen_image_clip,
@@ -403,6 +428,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyQwenImageEditModel": TinyQwenImageEditModel,
     "KTTest_TinyQwenImageEdit2511Model": TinyQwenImageEdit2511Model,
     "KTTest_TinyQwenImageTextEncoder": TinyQwenImageTextEncoder,
+    "KTTest_TinyQwenImageEditFile": TinyQwenImageEditFile,
     "KTTest_SmallWanVAE": SmallWanVAE,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,

@@ -38,6 +38,7 @@ from . import blocks, encoding, vram
 
 IMAGE_MODEL = "qwen_image"
 TIMESTEP_ZERO = "index_timestep_zero"
+TIMESTEP_ZERO_KEY = "__index_timestep_zero__"  # the key ComfyUI 0.33 knows a 2511 file by
 
 # The Linear layers of one `QwenImageTransformerBlock` each target preset adapts (both streams).
 ATTENTION = (
@@ -99,6 +100,27 @@ class QwenImageFamily(ModelFamily):
                 f"ComfyUI is {comfyui_version()}. Update ComfyUI"
             )
         return layout
+
+    def check_model_file(self, path, diffusion_model) -> None:
+        """A 2511 file on a ComfyUI that ignores its `__index_timestep_zero__` key (0.3.75 loads it
+        as a 2509, its references at the target's timestep): refused, naming the update."""
+        if comfy_runs_timestep_zero(diffusion_model) or not str(path).endswith(".safetensors"):
+            return
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(path), "pt") as handle:  # the header only
+                keys = list(handle.keys())
+        except Exception:  # a file safetensors cannot read: ComfyUI loaded it, not ours to judge
+            return
+        if any(key.endswith(TIMESTEP_ZERO_KEY) for key in keys):
+            from ...forward_guard import comfyui_version
+
+            raise ValueError(
+                f"{path.name} is Qwen-Image-Edit 2511 (its {TIMESTEP_ZERO_KEY} key), which this "
+                f"ComfyUI ({comfyui_version()}) runs as 2509: its references would train at the "
+                "target's timestep, not at 0 as 2511 samples them. Update ComfyUI to 0.33 or newer"
+            )
 
     def check_sample(self, diffusion_model, sample) -> None:
         channels = diffusion_model.in_channels // diffusion_model.patch_size**2
