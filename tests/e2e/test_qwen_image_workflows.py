@@ -1,15 +1,19 @@
 """The shipped Qwen-Image-Edit examples, queued over HTTP on a real ComfyUI server (issue 43
-items 4 and "done when"). The training example (`api/qwen_image_edit_2509_lora_training.json`:
+items 2, 4 and "done when"). The training example (`api/qwen_image_edit_2509_lora_training.json`:
 two references per sample, previews whose positive and negative come from the stock
 `TextEncodeQwenImageEditPlus` with the same two images) runs as shipped on both ComfyUIs, and
 the inference example (`api/qwen_image_edit_2509_lora_inference.json`: the stock loaders, the
-LoraLoaderModelOnly, the encoder node, KSampler) applies the LoRA it writes. The model, text
-encoder and VAE are stand-ins built by ComfyUI's own classes (`kt_test_nodes`: the stock
-UNETLoader reads no Qwen widths, as ComfyUI's detection fixes them); everything else is as
-shipped. The 2511 training example, its model file holding 2511's key: on ComfyUI 0.33 it
-trains a 2511 (its `default_ref_method` `index_timestep_zero`, as 0.33 detects it; layout `auto`
-resolves to it and the LoRA names the model as musubi-tuner does); on 0.3.75, which runs the
-file as a 2509, TrainLoRA refuses it naming the update.
+LoraLoaderModelOnly, the encoder node, KSampler) applies the LoRA it writes.
+
+The model files are the tiny Qwen-Image-Edit's, in the forms ComfyUI distributes (e4m3 weights
+as `qwen_image_edit_2509_fp8_e4m3fn`, bf16 with 2511's `__index_timestep_zero__` key, fp8mixed's
+`_quantization_metadata`, 0.33's `comfy_quant`), loaded by the stock UNETLoader: the server's
+detection reads the file's widths (`kt_testing.qwen_image.read_qwen_widths`: ComfyUI's fixes
+them at Qwen-Image's), and does the rest as shipped (the form, 2511 by its key on 0.33). The
+text encoder and VAE are stand-ins built by ComfyUI's own classes (`kt_test_nodes`).
+The 2511 training example: on ComfyUI 0.33 it trains a 2511 (detected `default_ref_method`
+`index_timestep_zero`; layout `auto` resolves to it and the LoRA names the model as musubi-tuner
+does); on 0.3.75, which runs the file as a 2509, TrainLoRA refuses it naming the update.
 
 The encoder node sizes every reference at about 1 MP, so each forward of the tiny model holds
 two 4096-token references (about 1.5 s of the tiny model on one core) and each reference costs a
@@ -23,8 +27,6 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from safetensors.torch import save_file
 
 from kt_testing.examples import (
     PYTORCH_ATTENTION,
@@ -36,6 +38,8 @@ from kt_testing.examples import (
     write_training_inputs,
 )
 from kt_testing.paths import TEST_NODE_PACKS, comfyui_root
+from kt_testing.quantized_files import forms_this_comfyui_loads
+from kt_testing.qwen_image import QWEN_WIDTHS_ENV, tiny_qwen_image_file
 from kt_testing.runs import progress_events
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
@@ -44,7 +48,6 @@ TRAINING, INFERENCE = "qwen_image_edit_2509_lora_training.json", "qwen_image_edi
 TRAINING_2511, INFERENCE_2511 = (name.replace("2509", "2511") for name in (TRAINING, INFERENCE))
 TIMESTEP_ZERO_KEY = "__index_timestep_zero__"  # ComfyUI 0.33's detection of a 2511 file
 STAND_INS = {
-    "UNETLoader": ("KTTest_TinyQwenImageEditModel", 3),
     "CLIPLoader": ("KTTest_TinyQwenImageTextEncoder", 2),
     "VAELoader": ("KTTest_SmallWanVAE", 1),
 }
@@ -55,23 +58,35 @@ def runs_2511() -> bool:
     return "timestep_zero_index" in (comfyui_root() / "comfy/ldm/qwen_image/model.py").read_text()
 
 
-def with_stand_ins(workflow: dict, model: str = "KTTest_TinyQwenImageEditModel") -> dict:
-    """The workflow with its three loaders replaced by the tiny parts (same node ids)."""
+def with_stand_ins(workflow: dict) -> dict:
+    """The workflow with its text encoder and VAE loaders replaced by the tiny parts (same node
+    ids); its UNETLoader is the stock one."""
     swapped = copy.deepcopy(workflow)
     for node_id, node in workflow.items():
         if node["class_type"] in STAND_INS:
             class_type, seed = STAND_INS[node["class_type"]]
-            if node["class_type"] == "UNETLoader":
-                class_type = model
             swapped[node_id] = {"class_type": class_type, "inputs": {"seed": seed}}
     return swapped
+
+
+def write_model_file(server, name: str, release: str = "2509", form: str = "plain"):
+    """The tiny Qwen-Image-Edit as `name` in the server's diffusion_models/ (seed 3 throughout)."""
+    path = server.base_dir / "models" / "diffusion_models" / name
+    if not path.exists():
+        tiny_qwen_image_file(path, seed=3, release=release, form=form)
+    return path
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, comfy_runtime):
     with ComfyServer(
-        tmp_path_factory.mktemp("qwen"), extra_packs=TEST_NODE_PACKS, args=PYTORCH_ATTENTION
+        tmp_path_factory.mktemp("qwen"),
+        extra_packs=TEST_NODE_PACKS,
+        args=PYTORCH_ATTENTION,
+        env={QWEN_WIDTHS_ENV: "1"},
     ) as running:
+        # the file the examples name: e4m3 weights, as ComfyUI distributes 2509
+        write_model_file(running, inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"], form="fp8_e4m3fn")
         yield running
 
 
@@ -129,21 +144,13 @@ def test_the_inference_example_applies_the_trained_lora(server, trained):
 def test_the_2511_training_example_trains_at_timestep_zero_or_names_comfyui_033(server, trained):
     """`api/qwen_image_edit_2511_lora_training.json` (cut to 2 steps without previews, snapshots or
     a held-out loss; the dataset the 2509 run cached) with its model file in
-    models/diffusion_models: a file holding 2511's `__index_timestep_zero__` key (the MODEL a
-    stand-in that names it, as UNETLoader does). ComfyUI 0.33 detects 2511: layout `auto` resolves
-    to its `index_timestep_zero` and the LoRA names the model as musubi-tuner does. ComfyUI
-    0.3.75 ignores the key and runs the file as a 2509: TrainLoRA refuses, naming the update."""
+    models/diffusion_models: the tiny 2511 in bf16, holding 2511's `__index_timestep_zero__` key.
+    ComfyUI 0.33's detection makes a 2511 of it: layout `auto` resolves to its
+    `index_timestep_zero` and the LoRA names the model as musubi-tuner does. ComfyUI 0.3.75
+    ignores the key and runs the file as a 2509: TrainLoRA refuses, naming the update."""
     workflow = with_stand_ins(shipped(TRAINING_2511))
     unet = inputs_of(shipped(TRAINING_2511), "UNETLoader")["unet_name"]
-    (server.base_dir / "models" / "diffusion_models").mkdir(parents=True, exist_ok=True)
-    save_file(
-        {TIMESTEP_ZERO_KEY: torch.zeros(0)}, str(server.base_dir / "models" / "diffusion_models" / unet)
-    )
-    release = "2511" if runs_2511() else "2509"  # what this ComfyUI's detection makes of the file
-    workflow[only_id(workflow, "KTTest_TinyQwenImageEditModel")] = {
-        "class_type": "KTTest_TinyQwenImageEditFile",
-        "inputs": {"unet_name": unet, "release": release, "seed": 3},
-    }
+    write_model_file(server, unet, release="2511")
     train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
     train.update(steps=2, save_every=0, validate_every=0)
     del train["preview"]
@@ -175,3 +182,32 @@ def test_the_2511_examples_are_the_2509_ones_with_2511s_files():
         assert "2511" not in old
         swapped = old.replace("qwen_image_edit_2509_fp8_e4m3fn", "qwen_image_edit_2511_bf16")
         assert new == swapped.replace("2509", "2511")
+
+
+@pytest.mark.parametrize("form", ["quantization_metadata", "comfy_quant"])
+def test_the_training_example_trains_on_comfyuis_quantized_qwen_files(server, trained, form):
+    """Issue 43 item 2: the 2509 training example (cut to 2 steps without previews, snapshots or
+    a held-out loss) on a file whose block Linears ComfyUI's own code quantized, in the forms this
+    ComfyUI reads: fp8mixed's `_quantization_metadata` (both), per-layer `comfy_quant` (0.33). The
+    stock UNETLoader loads them into ComfyUI's quantized Linear; the LoRA lands on those layers
+    and the file records the quantized base as sd-scripts does."""
+    if form not in forms_this_comfyui_loads():
+        pytest.skip(f"this ComfyUI does not read the {form} form (0.33 does)")
+    succeeded(trained[2])
+    name = f"kt-tiny-qwen-{form}.safetensors"
+    write_model_file(server, name, form=form)
+    workflow = with_stand_ins(shipped(TRAINING))
+    inputs_of(workflow, "UNETLoader")["unet_name"] = name
+    train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
+    train.update(steps=2, save_every=0, validate_every=0, lora_name=f"kt_qwen_{form}")
+    del train["preview"]
+    _, messages = server.run_prompt(workflow, timeout=600)
+    succeeded(messages)
+    tensors, metadata = load(server.base_dir / "models" / "loras" / f"kt_qwen_{form}.safetensors")
+    assert "lora_unet_transformer_blocks_0_attn_to_q.lora_down.weight" in tensors
+    assert any(float(v.abs().max()) > 0 for k, v in tensors.items() if k.endswith("lora_up.weight"))
+    base = json.loads(metadata["kontext_trainer.base_weights"])
+    print(f"\n{form}: base weights {base}")
+    assert base["quantized"].get("float8_e4m3fn", 0) > 0, base  # the block Linears, as ComfyUI loaded them
+    assert metadata["ss_sd_model_name"] == name and metadata["ss_fp8_base"] == "True"
+    assert "Using mixed precision operations" in server.log()

@@ -34,14 +34,18 @@ from kt_testing.dynamic_vram import (  # noqa: E402
 )
 from kt_testing.klein import klein_patcher, klein_text_encoder  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
-from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip  # noqa: E402
+from kt_testing.qwen_image import (  # noqa: E402
+    QWEN_WIDTHS_ENV,
+    read_qwen_widths,
+    small_wan_vae,
+    tiny_qwen_image_clip,
+)
 from kt_testing.tiny_models import (  # noqa: E402
     small_flux2_vae,
     small_flux_vae,
     tiny_clip,
     tiny_flux2_patcher,
     tiny_flux_patcher,
-    tiny_qwen_image_patcher,
 )
 
 
@@ -74,45 +78,6 @@ TinyFlux2Model = _builder_node(
 SmallFlux2VAE = _builder_node(
     "VAE", small_flux2_vae, 1, "Stands in for VAELoader with FLUX.2's VAE: 128 latent channels at 1/16."
 )
-TinyQwenImageEditModel = _builder_node(
-    "MODEL",
-    tiny_qwen_image_patcher,
-    3,
-    "Stands in for UNETLoader with a Qwen-Image-Edit 2509 file (the stock loader reads no Qwen "
-    "widths: ComfyUI's detection fixes them).",
-)
-TinyQwenImageEdit2511Model = _builder_node(
-    "MODEL",
-    functools.partial(tiny_qwen_image_patcher, release="2511"),
-    3,
-    "Stands in for UNETLoader with a Qwen-Image-Edit 2511 file (default_ref_method "
-    "index_timestep_zero, as ComfyUI 0.33 detects it).",
-)
-
-
-class TinyQwenImageEditFile:
-    """Stands in for UNETLoader reading a Qwen-Image-Edit file by name: `unet_name` is what the
-    pack reads as the MODEL's file (TrainLoRA follows the widget back); the MODEL is the tiny
-    Qwen-Image-Edit of `release`, as this ComfyUI detects that file."""
-
-    CATEGORY = "kontext trainer tests"
-    RETURN_TYPES = ("MODEL",)
-    FUNCTION = "build"
-
-    @classmethod
-    def INPUT_TYPES(cls):
-        return {
-            "required": {
-                "unet_name": ("STRING", {"default": ""}),
-                "release": (["2509", "2511"],),
-                "seed": ("INT", {"default": 3, "min": 0, "max": 1000}),
-            }
-        }
-
-    def build(self, unet_name, release, seed):
-        return (tiny_qwen_image_patcher(seed=seed, release=release),)
-
-
 TinyQwenImageTextEncoder = _builder_node(
     "CLIP",
     tiny_qwen_image_clip,
@@ -309,6 +274,11 @@ if os.environ.get(CAST_REPLAY_ENV):  # this server's casts reuse memory as 0.33'
     )
 
 
+if os.environ.get(QWEN_WIDTHS_ENV) == "1":  # this server's UNETLoader loads the tiny Qwen's files
+    read_qwen_widths()
+    logging.getLogger(__name__).warning("kt test: UNETLoader reads Qwen-Image widths from the file")
+
+
 if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # this server loads as 0.33 does on NVIDIA
     emulate()
     logging.getLogger(__name__).warning("%s (mapped weights, ModelPatcherDynamic)", EMULATION_MARK)
@@ -425,10 +395,7 @@ NODE_CLASS_MAPPINGS = {
     "KTTest_TinyFlux2TextEncoder": TinyFlux2TextEncoder,
     "KTTest_TinyKleinModel": TinyKleinModel,
     "KTTest_TinyKleinTextEncoder": TinyKleinTextEncoder,
-    "KTTest_TinyQwenImageEditModel": TinyQwenImageEditModel,
-    "KTTest_TinyQwenImageEdit2511Model": TinyQwenImageEdit2511Model,
     "KTTest_TinyQwenImageTextEncoder": TinyQwenImageTextEncoder,
-    "KTTest_TinyQwenImageEditFile": TinyQwenImageEditFile,
     "KTTest_SmallWanVAE": SmallWanVAE,
     "KTTest_PoisonDataset": PoisonDataset,
     "KTTest_FailingDataset": FailingDataset,

@@ -24,7 +24,7 @@ RESETS_MARK = "kt test: ComfyUI's cast buffers reset"  # printed at exit with th
 # "klein": the tiny FLUX.2 [klein] (KTTest_TinyKleinModel seed 3), FLUX.2's VAE stand-in (seed 1)
 # and a tiny Qwen3 through ComfyUI's klein text encoder (seed 2); ComfyUI 0.33 or newer.
 # "qwen_image": the tiny Qwen-Image-Edit 2509 (seed 3), the narrow Wan 2.1 VAE (seed 1) and the
-# tiny Qwen2.5-VL (seed 2), as KTTest_TinyQwenImageEditModel and its neighbours build them
+# tiny Qwen2.5-VL (seed 2), as the e2e tests' tiny file and stand-ins hold them
 TINY_MODELS_ENV = "KT_TEST_TINY_MODELS"
 
 

@@ -60,3 +60,73 @@ def small_wan_vae(seed: int = 1):
     }
     state = seeded_init_(comfy.ldm.wan.vae.WanVAE(**config), seed).state_dict()
     return comfy.sd.VAE(sd=state)
+
+
+# A server whose stock UNETLoader reads a Qwen-Image file's widths (the test pack does it where
+# this variable is "1"): ComfyUI's detection fixes them (3072 wide, 24 heads of 128, text 3584),
+# so the tiny model's files cannot load through the stock loader otherwise. Everything after the
+# widths is ComfyUI's own: the file's form (fp8, `_quantization_metadata`, `comfy_quant`), the
+# model config its detection picks (2511 by its key, on 0.33), ModelPatcherDynamic and mapped
+# weights under dynamic VRAM.
+QWEN_WIDTHS_ENV = "KT_TEST_QWEN_WIDTHS"
+# RoPE's axes are no tensor of the file: the tiny model's, or Qwen-Image's for its head width
+_ROPE_AXES = {16: (4, 6, 6), 128: (16, 56, 56)}
+
+
+def read_qwen_widths() -> None:
+    """Wrap `comfy.model_detection.detect_unet_config` (which `model_config_from_unet` calls by
+    its module name): for a Qwen-Image file, add the widths its tensors hold (head width from
+    `norm_q`, stream width from `img_in`, text width from `txt_norm`) to what ComfyUI detected."""
+    import comfy.model_detection
+
+    detect = comfy.model_detection.detect_unet_config
+    if getattr(detect, "reads_qwen_widths", False):
+        return
+
+    def with_qwen_widths(state_dict, key_prefix, *args, **kwargs):
+        config = detect(state_dict, key_prefix, *args, **kwargs)
+        if not config or config.get("image_model") != "qwen_image":
+            return config
+        head = state_dict[f"{key_prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
+        inner = state_dict[f"{key_prefix}img_in.weight"].shape[0]
+        return config | {
+            "attention_head_dim": head,
+            "num_attention_heads": inner // head,
+            "joint_attention_dim": state_dict[f"{key_prefix}txt_norm.weight"].shape[0],
+            "axes_dims_rope": _ROPE_AXES[head],
+        }
+
+    with_qwen_widths.reads_qwen_widths = True
+    comfy.model_detection.detect_unet_config = with_qwen_widths
+
+
+def tiny_qwen_image_file(path, seed: int = 3, release: str = "2509", form: str = "plain"):
+    """The tiny Qwen-Image-Edit's diffusion-model file as ComfyUI distributes the real one: `form`
+    "plain" (bf16), "fp8_e4m3fn" (every weight of the blocks stored in e4m3, as
+    `qwen_image_edit_2509_fp8_e4m3fn`), or a quantized form of `kt_testing.quantized_files`
+    (the block Linears quantized by ComfyUI's own code: `quantization_metadata` is fp8mixed's);
+    2511's file holds the `__index_timestep_zero__` key."""
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from .quantized_files import FORMS, write_quantized_file
+    from .tiny_models import tiny_qwen_image_patcher
+
+    model = tiny_qwen_image_patcher(seed=seed).model.diffusion_model
+    state = {key: value.to(torch.bfloat16) for key, value in model.state_dict().items()}
+    if release == "2511":
+        state["__index_timestep_zero__"] = torch.zeros(0)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if form in FORMS:
+        return write_quantized_file(path, state, form)
+    if form == "fp8_e4m3fn":
+        state = {
+            k: v.to(torch.float8_e4m3fn) if k.startswith("transformer_blocks.") and v.ndim == 2 else v
+            for k, v in state.items()
+        }
+    elif form != "plain":
+        raise ValueError(f"unknown form {form!r}")
+    save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+    return path
