@@ -33,6 +33,14 @@ whose input needs a gradient keeps nothing of its cast past its forward, in one 
 A layer that does not cast (a full load of a plain Linear) hands autograd its own Parameter,
 which nothing reuses: it runs as before, at no cost.
 
+**Norms too** (`is_cast_norm`): ComfyUI's RMSNorm, LayerNorm and GroupNorm ops with a weight
+cast it as a Linear does (Qwen-Image's query / key / text norms, FLUX's QKNorm on 0.33), and
+`rms_norm` / `layer_norm` keep that weight for the backward. Where casts are reused they take
+the recompute (their input kept, the norm run again in the backward: a norm's cost, no matmul);
+elsewhere they run as ComfyUI made them. Under dynamic VRAM a norm is small enough to stay
+resident (its cast is its Parameter); it is an offloaded norm in a partial load, cast into a
+stream's shared buffer, whose kept weight another layer's cast would overwrite.
+
 **Only where it is needed** (`ContractPlan`, decided once per run by `plan_for`): the contract
 guards against reuse, and ComfyUI reuses cast memory only in some set-ups. `reuse_by_design`
 reads them from ComfyUI's state: dynamic VRAM (`memory_management.aimdo_enabled`: streamed
@@ -82,6 +90,20 @@ def is_linear(module: torch.nn.Module) -> bool:
     )
 
 
+NORM_TYPES = ("RMSNorm", "LayerNorm", "GroupNorm")  # ComfyUI's norm ops, by their torch base
+
+
+def is_cast_norm(module: torch.nn.Module) -> bool:
+    """One of ComfyUI's norm ops (`comfy.ops`: RMSNorm, LayerNorm, GroupNorm, each over torch's
+    class or, on 0.3.75, `comfy.rmsnorm.RMSNorm`) holding a weight: its forward casts that weight
+    as a Linear's does."""
+    return (
+        hasattr(module, "comfy_cast_weights")
+        and isinstance(getattr(module, "weight", None), torch.Tensor)
+        and any(base.__name__ in NORM_TYPES for base in type(module).__mro__[1:])
+    )
+
+
 def linear_names(module: torch.nn.Module) -> list[str]:
     """The names of `module`'s Linear layers (`is_linear`), in model order; a LoRA-wrapped
     layer counts once, under its own name (peft shows its Linear as `<name>.base_layer`)."""
@@ -91,10 +113,11 @@ def linear_names(module: torch.nn.Module) -> list[str]:
 
 def casts_per_call(layer: torch.nn.Module) -> bool:
     """True when the layer's forward goes through `comfy.ops.cast_bias_weight` (what it returns
-    may be reused memory): ComfyUI's quantized Linear always casts; an `nn.Linear` op casts when
+    may be reused memory): ComfyUI's quantized Linear always casts; an `nn.Linear` op (or a norm
+    op, `is_cast_norm`) casts when
     its load marked it (`comfy_cast_weights`: offloaded, fp8 or another stored dtype, dynamic
     VRAM) or it carries weight / bias functions (a partial load's LoRA, fp8_scaled's scale)."""
-    if not isinstance(layer, torch.nn.Linear):
+    if not isinstance(layer, torch.nn.Linear) and not is_cast_norm(layer):
         return True
     return bool(
         getattr(layer, "comfy_cast_weights", False)
@@ -293,6 +316,8 @@ class ContractPlan:
 
     def way(self, layer: torch.nn.Module) -> str | None:
         """"recast", "recompute" or None (the layer runs as ComfyUI made it)."""
+        if is_cast_norm(layer):  # no matmul to keep: recomputed where casts are reused
+            return "recompute" if self.reuse is not None else None
         recast = can_recast(layer)
         if self.reuse is not None:
             return "recast" if recast else "recompute"
@@ -307,7 +332,7 @@ class ContractPlan:
         if self.reuse is not None:
             return (
                 f"cast contract on: {self.reuse}; each casting Linear's backward casts its weight "
-                "again (a quantized or fp8 one runs its forward again)"
+                "again (a quantized or fp8 one, and each casting norm, runs its forward again)"
             )
         parts = []
         if not self.checkpointing:
@@ -349,15 +374,17 @@ def plan_for(diffusion_model: torch.nn.Module, device, dtype, checkpointing: boo
 
 
 def recast_in_backward(diffusion_model: torch.nn.Module, plan: ContractPlan = ALWAYS):
-    """Give the ComfyUI Linears of `diffusion_model` (`is_linear`, LoRA base layers included) that
-    `plan` names the cast contract (`RecastInBackward`: a re-cast or a recompute in the
-    backward); returns the function that takes it off again (the MODEL is shared: call it when
-    training ends). Layers are found now: attach the LoRA first or after, either way the base
-    layers are the same objects."""
+    """Give the ComfyUI Linears of `diffusion_model` (`is_linear`, LoRA base layers included) and
+    its norm ops (`is_cast_norm`) that `plan` names the cast contract (`RecastInBackward`: a
+    re-cast or a recompute in the backward); returns the function that takes it off again (the
+    MODEL is shared: call it when training ends). Layers are found now: attach the LoRA first or
+    after, either way the base layers are the same objects."""
     wrapped = []
     for layer in diffusion_model.modules():
         comfy_op = hasattr(layer, "comfy_cast_weights")  # not the LoRA's own torch Linears
-        if not (is_linear(layer) and comfy_op) or isinstance(vars(layer).get("forward"), RecastInBackward):
+        if not ((is_linear(layer) or is_cast_norm(layer)) and comfy_op) or isinstance(
+            vars(layer).get("forward"), RecastInBackward
+        ):
             continue
         way = plan.way(layer)
         if way is not None:

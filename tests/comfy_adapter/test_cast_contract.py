@@ -12,6 +12,7 @@ read no reused cast (a `saved_tensors_hooks` alias check cannot see inside a che
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 
 import pytest
@@ -22,7 +23,12 @@ from kt_testing import cast_replay
 from kt_testing.contract import contract_as
 from kt_testing.gradients import randomise_lora
 from kt_testing.probes import tiny_samples
-from kt_testing.tiny_models import fp8_flux_patcher, tiny_flux_patcher
+from kt_testing.tiny_models import (
+    TINY_QWEN_IMAGE_CONFIG,
+    fp8_flux_patcher,
+    tiny_flux_patcher,
+    tiny_qwen_image_patcher,
+)
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +37,13 @@ def ft(pack_import):
 
 
 def step(
-    ft, samples, checkpointing: bool, replay: str | None = None, keep_casts: bool = False, make_model=None
+    ft,
+    samples,
+    checkpointing: bool,
+    replay: str | None = None,
+    keep_casts: bool = False,
+    make_model=None,
+    every_module: bool = False,
 ):
     """(loss, LoRA gradients, saved tensors that alias the replay buffer) of one step on a
     tiny Flux (or `make_model()`); `keep_casts`: without the cast contract (70adb75's behaviour).
@@ -41,7 +53,7 @@ def step(
     model = make_model() if make_model else tiny_flux_patcher(seed=6)
     aliases = []
     kept = contract_as(ft, None) if keep_casts else contextlib.nullcontext()
-    with torch.inference_mode(False), contextlib_replay(replay) as memory, kept:
+    with torch.inference_mode(False), contextlib_replay(replay, every_module) as memory, kept:
         if memory is not None:
             cast_replay.replay_for_patcher(model, memory)
         with ft.lora_session(model, config) as session:
@@ -59,8 +71,8 @@ def step(
     return loss.detach(), grads, aliases
 
 
-def contextlib_replay(kind):
-    return cast_replay.replay(kind) if kind else contextlib.nullcontext()
+def contextlib_replay(kind, every_module: bool = False):
+    return cast_replay.replay(kind, every_module) if kind else contextlib.nullcontext()
 
 
 @pytest.fixture(scope="module")
@@ -136,6 +148,12 @@ def contract_of(ft, make_model, checkpointing: bool, replay: str | None = None):
             return session.contract, wrapped
 
 
+def comfy_flux_norms_cast() -> bool:
+    """FLUX's QKNorm is ComfyUI's RMSNorm op (0.33), not Flux's own norm module (0.3.75)."""
+    norm = tiny_flux_patcher(seed=6).model.diffusion_model.double_blocks[0].img_attn.norm.query_norm
+    return hasattr(norm, "comfy_cast_weights")
+
+
 def casting_linear_names(model) -> set:
     return {
         name
@@ -178,7 +196,11 @@ def test_the_contract_is_decided_once_per_run_from_what_the_casts_do(ft):
         for name, m in tiny_flux_patcher(seed=6).model.diffusion_model.named_modules()
         if isinstance(m, torch.nn.Linear) and m.weight.nbytes > cast_replay.DYNAMIC_MODULE_BYTES
     }
-    assert replayed and set(wrapped) >= replayed and set(wrapped.values()) == {"recast"}
+    norms = {name: way for name, way in wrapped.items() if name.endswith(("query_norm", "key_norm"))}
+    linears = {name: way for name, way in wrapped.items() if name not in norms}
+    assert replayed and set(linears) >= replayed and set(linears.values()) == {"recast"}
+    # 0.33: QKNorm is ComfyUI's RMSNorm op, recomputed (0.3.75's own norm is no cast op)
+    assert set(norms.values()) <= {"recompute"} and bool(norms) == comfy_flux_norms_cast()
 
 
 def test_comfyuis_own_state_says_where_casts_are_reused(pack, monkeypatch):
@@ -353,3 +375,57 @@ def test_a_resident_cast_view_cached_by_sampling_is_owned_without_a_copy(pack, m
         remove()
     assert not layer._v_weight.is_inference() and layer._v_weight.data_ptr() == cached.data_ptr()
     assert torch.allclose(x.grad, cached.sum(0).expand(2, 4))
+
+
+def qwen_samples(Sample):
+    """Two Qwen-Image-Edit samples: Wan 2.1's 5-D latents, a 5-token caption, one reference."""
+    gen = torch.Generator().manual_seed(4)
+    width = TINY_QWEN_IMAGE_CONFIG["joint_attention_dim"]
+    return [
+        Sample(
+            torch.randn(16, 1, 6, 8, generator=gen),
+            torch.randn(5, width, generator=gen),
+            torch.zeros(0),
+            [torch.randn(16, 1, 8, 6, generator=gen)],
+        )
+        for _ in range(2)
+    ]
+
+
+NORM_MODELS = {
+    # query / key norms of every block and the text norm: ComfyUI's RMSNorm op (both ComfyUIs)
+    "qwen_image": (functools.partial(tiny_qwen_image_patcher, seed=6), qwen_samples),
+    # QKNorm: ComfyUI's RMSNorm op on 0.33 (0.3.75's Flux has its own norm, cast into fresh memory)
+    "flux": (functools.partial(tiny_flux_patcher, seed=6), None),
+}
+
+
+@pytest.mark.parametrize("family", sorted(NORM_MODELS))
+def test_reused_casts_of_norms_break_a_step_that_keeps_them_and_not_ours(
+    ft, pack_import, samples, monkeypatch, family
+):
+    """A partial load on 0.33 with cudaMallocAsync off casts every offloaded layer, norms
+    included, into its stream's shared buffer: replayed here with every cast op's weight in one
+    reused buffer (`every_module`). `rms_norm` keeps the weight it is handed for its backward:
+    with the norms left out of the contract (a scratch copy of the mechanism) the gradients are
+    wrong with no error; with them in, equal to the plain run's bit for bit (checkpointed)."""
+    cast_contract = pack_import("comfy_adapter.cast_contract")
+    make_model, make_samples = NORM_MODELS[family]
+    model = make_model()
+    norms = [m for m in model.model.diffusion_model.modules() if cast_contract.is_cast_norm(m)]
+    if not norms:
+        pytest.skip("this ComfyUI's Flux norms are not ComfyUI cast ops (0.3.75: fresh casts)")
+    assert all(type(norm).__name__ == "RMSNorm" for norm in norms)
+    batch = make_samples(pack_import("trainer_core.flow_step").Sample) if make_samples else samples
+    reference_loss, reference, _ = step(ft, batch, True, make_model=make_model)
+    with monkeypatch.context() as scratch:  # norms out of the contract: their kept casts reused
+        scratch.setattr(cast_contract, "is_cast_norm", lambda module: False)
+        _, kept, _ = step(ft, batch, True, "dynamic", make_model=make_model, every_module=True)
+    wrong = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(kept, reference, strict=True))
+    print(f"\n{family}: {len(norms)} norms; kept norm casts: worst relative gradient error {wrong:.2e}")
+    assert not wrong <= 1e-2
+    before = cast_replay.REPLAYED["casts"]
+    loss, ours, _ = step(ft, batch, True, "dynamic", make_model=make_model, every_module=True)
+    assert cast_replay.REPLAYED["casts"] > before
+    assert torch.equal(loss, reference_loss)
+    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))

@@ -11,7 +11,8 @@ clones). `replay(kind)` makes a CPU process do it:
 
 - after every `ModelPatcher.load` (ComfyUI's `ON_LOAD` callback on every patcher made from
   then on), each ComfyUI Linear (plain or quantized) whose stored weight is over 16 KiB gets
-  `comfy_cast_weights = True`, as dynamic VRAM marks it;
+  `comfy_cast_weights = True`, as dynamic VRAM marks it (`every_module`: every cast op with a
+  weight, norms included, of any size, as a partial load offloads what did not fit);
 - `comfy.ops.cast_bias_weight` (which every ComfyUI Linear calls through the module) hands
   such a layer, when the cast returned the stored weight itself (no dtype change, no weight
   function), a copy of it in ONE shared buffer instead (a quantized weight: its packed values
@@ -49,10 +50,10 @@ class ReusedMemory:
     loaded later) replaces it with a larger one: tensors handed out before keep the old memory,
     every later cast shares the new one."""
 
-    def __init__(self, kind: str):
+    def __init__(self, kind: str, every_module: bool = False):
         if kind not in ("dynamic", "stream"):
             raise ValueError(f"unknown cast replay {kind!r}: dynamic or stream")
-        self.kind, self.base = kind, None
+        self.kind, self.base, self.every_module = kind, None, every_module
 
     def reserve(self, nbytes: int) -> None:
         if self.base is None or self.base.numel() < nbytes:
@@ -86,11 +87,11 @@ def _mark_dynamic(memory: ReusedMemory, patcher, *args) -> None:
         weight = getattr(module, "weight", None)
         if not hasattr(module, "comfy_cast_weights") or not isinstance(weight, torch.Tensor):
             continue  # not a ComfyUI cast op
-        if not hasattr(module, "in_features"):
+        if not (memory.every_module or hasattr(module, "in_features")):
             continue  # Linears only (plain and quantized)
         stored = _stored(weight)
         nbytes = stored.numel() * stored.element_size()
-        if nbytes > DYNAMIC_MODULE_BYTES:
+        if nbytes > DYNAMIC_MODULE_BYTES or memory.every_module:
             module.comfy_cast_weights = True
             module.kt_cast_replayed = True
             memory.reserve(nbytes)
@@ -130,14 +131,17 @@ def _replaying(original, memory: ReusedMemory):
 
 
 @contextlib.contextmanager
-def replay(kind: str = "dynamic"):
+def replay(kind: str = "dynamic", every_module: bool = False):
     """Replay the reused cast memory (`kind` "dynamic" or "stream") inside the block: every
-    ModelPatcher made, and every layer cast, from now until the block ends."""
+    ModelPatcher made, and every layer cast, from now until the block ends. `every_module`:
+    every ComfyUI cast op with a weight, of any size (its norms too), is marked, as a partial
+    load on 0.33 with cudaMallocAsync off offloads the layers that did not fit, small ones
+    included, and casts each into its stream's shared buffer."""
     import comfy.model_patcher
     import comfy.ops
     from comfy.patcher_extension import CallbacksMP
 
-    memory = ReusedMemory(kind)
+    memory = ReusedMemory(kind, every_module)
     mark = functools.partial(_mark_dynamic, memory)
     cls = comfy.model_patcher.ModelPatcher
     original_init, original_cast = cls.__init__, comfy.ops.cast_bias_weight
