@@ -27,7 +27,10 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
+from kt_testing.datasets import write_one_folder
+from kt_testing.dynamic_vram import comfyui_has_dynamic_vram, server_env
 from kt_testing.examples import (
     PYTORCH_ATTENTION,
     inputs_of,
@@ -42,6 +45,7 @@ from kt_testing.quantized_files import forms_this_comfyui_loads
 from kt_testing.qwen_image import QWEN_WIDTHS_ENV, tiny_qwen_image_file
 from kt_testing.runs import progress_events
 from kt_testing.server import ComfyServer
+from kt_testing.tiny_models import NARROW_QWEN_IMAGE_CONFIG
 from trainer_core.lora_file import load
 
 TRAINING, INFERENCE = "qwen_image_edit_2509_lora_training.json", "qwen_image_edit_2509_lora_inference.json"
@@ -69,11 +73,12 @@ def with_stand_ins(workflow: dict) -> dict:
     return swapped
 
 
-def write_model_file(server, name: str, release: str = "2509", form: str = "plain"):
-    """The tiny Qwen-Image-Edit as `name` in the server's diffusion_models/ (seed 3 throughout)."""
+def write_model_file(server, name: str, release: str = "2509", form: str = "plain", config=None):
+    """The tiny Qwen-Image-Edit as `name` in the server's diffusion_models/ (seed 3 throughout;
+    `config`: other widths)."""
     path = server.base_dir / "models" / "diffusion_models" / name
     if not path.exists():
-        tiny_qwen_image_file(path, seed=3, release=release, form=form)
+        tiny_qwen_image_file(path, seed=3, release=release, form=form, config=config)
     return path
 
 
@@ -211,3 +216,64 @@ def test_the_training_example_trains_on_comfyuis_quantized_qwen_files(server, tr
     assert base["quantized"].get("float8_e4m3fn", 0) > 0, base  # the block Linears, as ComfyUI loaded them
     assert metadata["ss_sd_model_name"] == name and metadata["ss_fp8_base"] == "True"
     assert "Using mixed precision operations" in server.log()
+
+
+@pytest.fixture(scope="module")
+def dynamic(tmp_path_factory, comfy_runtime):
+    """A server with ComfyUI 0.33's dynamic VRAM emulated (kt_testing/dynamic_vram.py: the stock
+    UNETLoader builds ModelPatcherDynamic over the file's memory-mapped weights)."""
+    if not comfyui_has_dynamic_vram():
+        pytest.skip("ComfyUI 0.3.75 has no dynamic VRAM (ModelPatcherDynamic)")
+    with ComfyServer(
+        tmp_path_factory.mktemp("qwen-dynamic"),
+        extra_packs=TEST_NODE_PACKS,
+        args=PYTORCH_ATTENTION,
+        env={**server_env(), QWEN_WIDTHS_ENV: "1"},
+    ) as running:
+        yield running
+
+
+NARROW = "kt-narrow-qwen-image-edit.safetensors"
+
+
+def narrow_run(server, name: str) -> tuple[dict, dict]:
+    """Two steps of the 2509 training example's TrainLoRA on the narrow Qwen-Image-Edit (128 wide:
+    its block Linears over 16 KiB, so dynamic VRAM streams them) in bf16, from 64 px samples
+    without references (text to image: no 1 MP reference encodes), no preview, snapshot or
+    held-out loss. (How the MODEL holds its weights after the run, the LoRA)."""
+    write_model_file(server, NARROW, config=NARROW_QWEN_IMAGE_CONFIG)
+    write_one_folder(server.base_dir / "input" / "qwen_plain", ["a", "b"], references=0, size=(64, 64))
+    workflow = with_stand_ins(shipped(TRAINING))
+    inputs_of(workflow, "UNETLoader")["unet_name"] = NARROW
+    inputs_of(workflow, "KontextTrainer_LoadKontextDataset").update(folder="qwen_plain", hold_out=0)
+    train = inputs_of(workflow, "KontextTrainer_TrainLoRA")
+    train.update(steps=2, save_every=0, validate_every=0, lora_name=name, targets="all_linear")
+    del train["preview"]
+    graph = {
+        node_id: node
+        for node_id, node in workflow.items()
+        if node["class_type"] in ("UNETLoader", *(c for c, _ in STAND_INS.values()))
+        or node["class_type"].startswith("KontextTrainer_Load")
+        or node["class_type"] == "KontextTrainer_TrainLoRA"
+    }
+    train_id = only_id(graph, "KontextTrainer_TrainLoRA")
+    graph["probe"] = {"class_type": "KTTest_MappedWeights", "inputs": {"model": [train_id, 0], "nonce": 1}}
+    prompt_id, messages = server.run_prompt(graph, timeout=600)
+    succeeded(messages)
+    held = {key: value[0] for key, value in server.history(prompt_id)["outputs"]["probe"].items()}
+    tensors, _ = load(server.base_dir / "models" / "loras" / f"{name}.safetensors")
+    return held, tensors
+
+
+def test_dynamic_vram_trains_qwen_image_edit_on_the_mapped_file_as_the_plain_server(server, dynamic):
+    """Issue 43 item 2: under dynamic VRAM the stock UNETLoader maps the Qwen file's weights and
+    TrainLoRA trains on them without a copy (a copy leaves the probe seeing `mapped` below
+    `large`, as 70adb75 to ecd75f4 did for FLUX); the LoRA equals the plain server's bit for bit."""
+    held, ours = narrow_run(dynamic, "qwen_dynamic")
+    print(f"\ndynamic: {held}")
+    assert held["dynamic"] and held["large"] > 0 and held["mapped"] == held["large"], held
+    assert "cast contract on: ComfyUI's dynamic VRAM casts streamed layers" in dynamic.log()
+    plain, reference = narrow_run(server, "qwen_dynamic")
+    assert not plain["dynamic"] and plain["mapped"] == 0, plain
+    assert ours.keys() == reference.keys() and all(torch.equal(ours[k], reference[k]) for k in ours)
+    assert any(float(v.abs().max()) > 0 for k, v in ours.items() if k.endswith("lora_up.weight"))

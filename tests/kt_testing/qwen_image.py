@@ -31,14 +31,23 @@ def tiny_qwen_image_clip(seed: int = 2):
     import comfy.text_encoders.qwen_image as qwen_image
     import comfy.text_encoders.qwen_vl as qwen_vl
 
-    target = comfy.supported_models_base.ClipTarget(
-        qwen_image.QwenImageTokenizer, qwen_image.te(dtype_llama=torch.float32)
-    )
+    model_class = qwen_image.te(dtype_llama=torch.float32)
+
+    def with_small_vision_tower(**params):
+        """ComfyUI's text encoder model, its vision tower swapped before `comfy.sd.CLIP` makes
+        (and loads) its patcher, so the patcher knows only the small tower's weights (under
+        dynamic VRAM it restores what it loaded)."""
+        model = model_class(**params)
+        model.qwen25_7b.transformer.visual = qwen_vl.Qwen2VLVisionTransformer(
+            output_hidden_size=TEXT_WIDTH,
+            dtype=torch.float32,
+            ops=comfy.ops.disable_weight_init,
+            **VISION_TINY,
+        )
+        return model
+
+    target = comfy.supported_models_base.ClipTarget(qwen_image.QwenImageTokenizer, with_small_vision_tower)
     clip = comfy.sd.CLIP(target, model_options={"qwen25_7b_model_config": QWEN25_TINY})
-    language = clip.cond_stage_model.qwen25_7b.transformer
-    language.visual = qwen_vl.Qwen2VLVisionTransformer(
-        output_hidden_size=TEXT_WIDTH, dtype=torch.float32, ops=comfy.ops.disable_weight_init, **VISION_TINY
-    )
     seeded_init_(clip.cond_stage_model, seed)
     return clip
 
@@ -70,7 +79,7 @@ def small_wan_vae(seed: int = 1):
 # weights under dynamic VRAM.
 QWEN_WIDTHS_ENV = "KT_TEST_QWEN_WIDTHS"
 # RoPE's axes are no tensor of the file: the tiny model's, or Qwen-Image's for its head width
-_ROPE_AXES = {16: (4, 6, 6), 128: (16, 56, 56)}
+_ROPE_AXES = {16: (4, 6, 6), 64: (8, 28, 28), 128: (16, 56, 56)}
 
 
 def read_qwen_widths() -> None:
@@ -100,12 +109,15 @@ def read_qwen_widths() -> None:
     comfy.model_detection.detect_unet_config = with_qwen_widths
 
 
-def tiny_qwen_image_file(path, seed: int = 3, release: str = "2509", form: str = "plain"):
+def tiny_qwen_image_file(
+    path, seed: int = 3, release: str = "2509", form: str = "plain", config: dict | None = None
+):
     """The tiny Qwen-Image-Edit's diffusion-model file as ComfyUI distributes the real one: `form`
     "plain" (bf16), "fp8_e4m3fn" (every weight of the blocks stored in e4m3, as
     `qwen_image_edit_2509_fp8_e4m3fn`), or a quantized form of `kt_testing.quantized_files`
     (the block Linears quantized by ComfyUI's own code: `quantization_metadata` is fp8mixed's);
-    2511's file holds the `__index_timestep_zero__` key."""
+    2511's file holds the `__index_timestep_zero__` key; `config`: other widths (the tiny
+    model's by default)."""
     from pathlib import Path
 
     from safetensors.torch import save_file
@@ -113,7 +125,7 @@ def tiny_qwen_image_file(path, seed: int = 3, release: str = "2509", form: str =
     from .quantized_files import FORMS, write_quantized_file
     from .tiny_models import tiny_qwen_image_patcher
 
-    model = tiny_qwen_image_patcher(seed=seed).model.diffusion_model
+    model = tiny_qwen_image_patcher(seed=seed, config=config).model.diffusion_model
     state = {key: value.to(torch.bfloat16) for key, value in model.state_dict().items()}
     if release == "2511":
         state["__index_timestep_zero__"] = torch.zeros(0)

@@ -289,20 +289,26 @@ TINY_QWEN_IMAGE_CONFIG = {
 }
 
 
+# The same at 128 wide (2 heads of 64, RoPE axes 8 + 28 + 28): its Linears hold over 16 KiB in
+# bf16, so dynamic VRAM streams them (ModelPatcherDynamic keeps smaller modules resident)
+NARROW_QWEN_IMAGE_CONFIG = {"attention_head_dim": 64, "axes_dims_rope": (8, 28, 28)}
+
+
 def tiny_qwen_image_patcher(
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     release: str = "2509",
     manual_cast_dtype: torch.dtype | None = None,
+    config: dict | None = None,
 ):
     """A MODEL around a tiny Qwen-Image(-Edit) built by ComfyUI's own model config, as a loader
     hands it over (weights in `dtype`, computed in `manual_cast_dtype` if given, as UNETLoader's
     fp8 weight_dtype sets it); `release` 2511 records `default_ref_method`
     `index_timestep_zero`, as ComfyUI 0.33's detection does for a file with the
-    `__index_timestep_zero__` key."""
+    `__index_timestep_zero__` key. `config`: other widths (e.g. `NARROW_QWEN_IMAGE_CONFIG`)."""
     import comfy.supported_models
 
-    unet_config = dict(TINY_QWEN_IMAGE_CONFIG)
+    unet_config = {**TINY_QWEN_IMAGE_CONFIG, **(config or {})}
     if release == "2511":
         unet_config["default_ref_method"] = "index_timestep_zero"
     model_config = comfy.supported_models.QwenImage(unet_config)
