@@ -7,10 +7,15 @@
 // live panel sat a screen below the title. A hidden row gets the size core's group nodes give
 // their hidden widgets, [0, -4] (the canvas adds 4 px per row), and the node fits its shown
 // widgets, also after "Show / Hide Advanced". Values of hidden widgets still save and run.
+// Each widget also has an input slot, laid out at its row: a hidden row's slot sat on the next
+// shown row's label, and the frontend hit-tests input slots before widgets, so hovering the
+// label of `rank` showed the tooltip of the hidden `gradient_accumulation` (issue 45, both
+// frontends). While hidden, a widget reports a row far above the node: its slot lies there.
 const { app } = window.comfyAPI.app;
 
 const NODE_CLASS = "KontextTrainer_TrainLoRA";
 const NO_ROW = [0, -4];
+const FAR_ABOVE = -1e6; // a hidden widget's row, for its input slot (graph units above the node)
 
 function takeNoRowWhileHidden(node, widget) {
   const own = widget.computeSize; // undefined for the stock widgets: one standard row
@@ -18,6 +23,20 @@ function takeNoRowWhileHidden(node, widget) {
     if (!node.isWidgetVisible(this)) return NO_ROW;
     return own ? own.call(this, width) : [width ?? node.size[0], window.LiteGraph.NODE_WIDGET_HEIGHT];
   };
+}
+
+function keepSlotAwayWhileHidden(node, widget) {
+  let y = widget.y ?? 0;
+  Object.defineProperty(widget, "y", {
+    configurable: true,
+    enumerable: true,
+    get() {
+      return this.advanced && !node.showAdvanced ? FAR_ABOVE : y;
+    },
+    set(value) {
+      y = value;
+    },
+  });
 }
 
 function fitHeight(node) {
@@ -34,6 +53,7 @@ app.registerExtension({
     for (const widget of advanced) {
       widget.advanced = true;
       takeNoRowWhileHidden(node, widget);
+      keepSlotAwayWhileHidden(node, widget);
     }
     const onConfigure = node.onConfigure;
     node.onConfigure = function () {
