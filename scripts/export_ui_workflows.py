@@ -38,6 +38,7 @@ SHOT_SETTINGS = {
 # (LiteGraph's low-quality threshold; MinFontSizeForLOD 8 px on 14 px text on 1.49), and a
 # fit-to-window view of a training graph is below that on a laptop screen.
 OPEN_SCALE = 0.8
+EXAMPLE_MARK = "kontext_trainer_example"  # in `extra`: web/js/example_view.js reads it
 # What each example does and what it needs, on the canvas (custom-node template cards show only
 # the file name: the frontend's template store gives a pack's cards no title or description).
 DEMO = "Runs as shipped on the files `make demo` writes (random weights: the images are coloured noise)."
@@ -185,6 +186,9 @@ def main() -> int:
             )
             page.evaluate(ARRANGE_JS, [NOTES[source.stem], OPEN_SCALE])
             workflow = page.evaluate(SAVED_JS)
+            # the pack's extension opens it at its saved view from the template browser too
+            # (web/js/example_view.js)
+            workflow.setdefault("extra", {})[EXAMPLE_MARK] = source.stem
             page.evaluate(
                 "([workflow, name]) => window.comfyAPI.app.app.loadGraphData(workflow, true, true, name)",
                 [workflow, source.stem],
