@@ -400,6 +400,9 @@ NORM_MODELS = {
 }
 
 
+NORM_REORDERING = 1e-5
+
+
 @pytest.mark.parametrize("family", sorted(NORM_MODELS))
 def test_reused_casts_of_norms_break_a_step_that_keeps_them_and_not_ours(
     ft, pack_import, samples, monkeypatch, family
@@ -408,7 +411,8 @@ def test_reused_casts_of_norms_break_a_step_that_keeps_them_and_not_ours(
     included, into its stream's shared buffer: replayed here with every cast op's weight in one
     reused buffer (`every_module`). `rms_norm` keeps the weight it is handed for its backward:
     with the norms left out of the contract (a scratch copy of the mechanism) the gradients are
-    wrong with no error; with them in, equal to the plain run's bit for bit (checkpointed)."""
+    wrong with no error; with them in, equal to the plain run's (checkpointed): bit for bit with
+    one compute thread, to float32 summation order with more."""
     cast_contract = pack_import("comfy_adapter.cast_contract")
     make_model, make_samples = NORM_MODELS[family]
     model = make_model()
@@ -428,4 +432,8 @@ def test_reused_casts_of_norms_break_a_step_that_keeps_them_and_not_ours(
     loss, ours, _ = step(ft, batch, True, "dynamic", make_model=make_model, every_module=True)
     assert cast_replay.REPLAYED["casts"] > before
     assert torch.equal(loss, reference_loss)
-    assert all(torch.equal(a, b) for a, b in zip(ours, reference, strict=True))
+    error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(ours, reference, strict=True))
+    print(f"with the norms in the contract: {error:.1e}")
+    # measured: 0 with one compute thread (as `make test` runs); with two, rms_norm's backward on
+    # the recompute's own leaf sums in another order: up to NORM_REORDERING
+    assert error <= NORM_REORDERING
