@@ -59,8 +59,16 @@ TRAIN_LORA: tuple[Widget, ...] = (
         "or an absolute path to a checkpoint folder.",
         options_from=CHECKPOINT_CHOICES,
     ),
-    Widget("steps", "Optimizer steps to run."),
-    Widget("learning_rate", "Peak learning rate."),
+    Widget(
+        "steps",
+        "Optimizer steps to run. Typical: 1000-3000 for an edit LoRA of 20-50 pairs (about 50-100 "
+        "per pair); the examples' 12-24 only show that a run works.",
+    ),
+    Widget(
+        "learning_rate",
+        "Peak learning rate. Typical with AdamW: 1e-4 (up to 5e-4 for a short run or a low rank); "
+        "lower it if the loss chart jumps or the previews break up.",
+    ),
     Widget(
         "schedule",
         (
@@ -75,11 +83,19 @@ TRAIN_LORA: tuple[Widget, ...] = (
     Widget("batch_size", "Samples per micro-batch, all from one aspect bucket."),
     Widget("gradient_accumulation", "Micro-batches per optimizer step.", advanced=True),
     Widget("max_grad_norm", "Clip the LoRA gradient norm to this; 0 disables clipping.", advanced=True),
-    Widget("rank", "LoRA rank: the adapter's capacity."),
+    Widget(
+        "rank",
+        "LoRA rank: the adapter's capacity, and the file's size grows with it. Typical: 16 for one "
+        "edit or style, 32-64 for several concepts.",
+    ),
     Widget("alpha", "LoRA alpha: updates are scaled by alpha / rank."),
     Widget("dropout", "Dropout on the LoRA input during training.", advanced=True),
     Widget(
-        "targets", "Layers that get a LoRA (single blocks always adapt their fused attention + MLP layers)."
+        "targets",
+        "Layers that get a LoRA. attention: the attention projections only (the smallest file, a "
+        "light touch); attention_mlp: attention and the MLPs (the usual choice for an edit); "
+        "all_linear: every Linear of the blocks, modulation included (the most capacity). FLUX's "
+        "single blocks always adapt their fused attention + MLP layers.",
     ),
     Widget(
         "layout",

@@ -69,3 +69,13 @@ def test_the_run_file_carries_the_same_tooltips(schema, pack_import, tmp_path):
         for row in rows.values():
             described = ("(advanced) " if row.advanced else "") + row.tooltip
             assert " ".join(described.split()) in " ".join(text.split()), (section, row.name)
+
+
+def test_the_basic_settings_say_their_typical_values_and_what_each_preset_adapts(schema, pack_import):
+    """Issue 45 item 5: steps, learning_rate and rank gave no typical value, and targets did not
+    say how its presets differ. Each preset the node offers is named with what it adapts."""
+    rows = {row.name: row.tooltip for row in schema.TRAIN_LORA}
+    for name in ("steps", "learning_rate", "rank"):
+        assert "Typical" in rows[name] and any(c.isdigit() for c in rows[name]), (name, rows[name])
+    presets = [preset.value for preset in pack_import("trainer_core.choices").TargetPreset]
+    assert presets and all(f"{preset}: " in rows["targets"] for preset in presets), rows["targets"]
