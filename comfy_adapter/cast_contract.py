@@ -114,9 +114,9 @@ def linear_names(module: torch.nn.Module) -> list[str]:
 def casts_per_call(layer: torch.nn.Module) -> bool:
     """True when the layer's forward goes through `comfy.ops.cast_bias_weight` (what it returns
     may be reused memory): ComfyUI's quantized Linear always casts; an `nn.Linear` op (or a norm
-    op, `is_cast_norm`) casts when
-    its load marked it (`comfy_cast_weights`: offloaded, fp8 or another stored dtype, dynamic
-    VRAM) or it carries weight / bias functions (a partial load's LoRA, fp8_scaled's scale)."""
+    op, `is_cast_norm`) casts when its load marked it (`comfy_cast_weights`: offloaded, fp8 or
+    another stored dtype, dynamic VRAM) or it carries weight / bias functions (a partial load's
+    LoRA, fp8_scaled's scale)."""
     if not isinstance(layer, torch.nn.Linear) and not is_cast_norm(layer):
         return True
     return bool(

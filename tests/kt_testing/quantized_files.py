@@ -96,7 +96,7 @@ def in_form(tensors: dict, config: dict, form: str) -> tuple[dict, dict]:
 
 def write_quantized_file(path: Path, state_dict: dict, form: str, fmt: str = "float8_e4m3fn") -> Path:
     """A diffusion-model file the stock UNETLoader reads: every block Linear of `state_dict`
-    (a Flux diffusion model's, unprefixed) quantized to `fmt`, written in `form`."""
+    (a Flux or Qwen-Image diffusion model's, unprefixed) quantized to `fmt`, written in `form`."""
     from safetensors.torch import save_file
 
     layers = sorted(
