@@ -6,7 +6,12 @@ the learning rate"): autograd kept each layer's cast weight, which the next cast
 every flow a user takes gives the plain server's LoRA exactly: previews with and without
 gradient checkpointing, a stock LoRA before TrainLoRA, block swap, Cancel then resume. Each
 test first shows the replay engaged (casts handed out in reused memory, counted by the
-server)."""
+server).
+
+ComfyUI 0.3.75 never reuses cast memory (every cast is fresh; ../shared/COMFYUI_NOTES.md,
+"Where cast memory is reused"): the module skips there. It cost 195 s of 0.3.75's e2e run (fresh
+clone on 77a500a), replaying what that ComfyUI never does; the contract's own tests
+(tests/comfy_adapter/test_cast_contract.py) run on both."""
 
 from __future__ import annotations
 
@@ -16,11 +21,16 @@ import pytest
 
 from kt_testing.cast_replay import CAST_REPLAY_ENV, REPLAY_MARK
 from kt_testing.datasets import write_one_folder
+from kt_testing.dynamic_vram import comfyui_has_dynamic_vram
 from kt_testing.graphs import demo_training, training_graph
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.runs import losses_of, progress_events, run_and_interrupt
 from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
+
+pytestmark = pytest.mark.skipif(
+    not comfyui_has_dynamic_vram(), reason="ComfyUI 0.3.75 never reuses cast memory: nothing to replay"
+)
 
 
 @pytest.fixture(scope="module")
@@ -127,15 +137,21 @@ def test_cancel_then_resume_gives_the_plain_servers_lora(servers):
 
 
 @pytest.mark.slow
-def test_the_demo_workflow(servers, stock_assets):
+def test_the_demo_workflow(servers, stock_assets, tmp_path):
     """example_workflows/api/kontext_lora_training.json on the stock loaders and the demo's
-    stock-size Flux (every block Linear over 16 KiB: all replayed), cut to two steps with the
-    preview at the end (no held-out loss: the same forward as the preview's, without the
-    sampler)."""
+    files, the Flux at 1/12 of its width (`demo_assets.NARROW_FLUX_CONFIG`, through the same
+    stock UNETLoader: every block Linear is still over 16 KiB, so all are replayed; the
+    stock-size Flux cost 130 s of 0.33's e2e run, the narrow one a tenth of a step), cut to two
+    steps with the preview at the end (no held-out loss: the same forward as the preview's,
+    without the sampler)."""
     import demo_assets
     import demo_dataset
 
+    narrow = demo_assets.write_narrow_flux(tmp_path / "kt-replay-narrow-flux.safetensors")
     for server in servers:
         demo_assets.link_into_models(stock_assets, server.base_dir / "models")
+        (server.base_dir / "models" / "diffusion_models" / narrow.name).symlink_to(narrow)
         demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
-    on_both(servers, demo_training("kt_replay_demo"))
+    graph = demo_training("kt_replay_demo")
+    graph["1"]["inputs"]["unet_name"] = narrow.name
+    on_both(servers, graph)
