@@ -20,6 +20,7 @@ def test_about_badge_names_the_installed_version(comfy_page, server):
     assert not [e for e in comfy_page.page_errors if "kontext" in e.lower()]
 
 
+
 def test_a_first_start_shows_no_problem_and_the_template_browser_lists_the_examples(first_start_page):
     """A new user's first page (the tutorial not done; every other browser test opens a
     returning user's, see `open_comfy_page`): no problem once it has started, and
