@@ -108,18 +108,10 @@ def watch_for_problems(page) -> None:
     page.forget_problems = forget_problems
 
 
-def open_comfy_page(chromium, server, viewport: dict | None = None, first_start: bool = False):
+def open_comfy_page(chromium, server, viewport: dict | None = None):
     """A new page with the real ComfyUI frontend loaded and the pack's extensions and every node
     type registered, its problems watched (`watch_for_problems`); `viewport`: its size, else
-    Playwright's default.
-
-    The tutorial is marked done (the server's setting) unless `first_start`: on a first start
-    1.32.9 opens the template browser, whose thumbnail placeholders animate for as long as it is
-    open (its core templates' thumbnails do not load offline), and a page left so cost Chromium
-    1.1 to 1.4 cores while it waited (0.33's 1.49.6, which opens none: 0.10 to 0.17; measured
-    idle, one after the other); on 0.3.75's e2e run the examples' browser tests kept such a
-    page open for about 230 s. `test_web_extension.py` opens a first start on its own."""
-    server.post_json("/settings/Comfy.TutorialCompleted", not first_start)
+    Playwright's default."""
     page = chromium.new_page(viewport=viewport) if viewport else chromium.new_page()
     watch_for_problems(page)
     page.goto(server.url)
@@ -143,6 +135,7 @@ def open_returning_users_page(chromium, server, viewport: dict):
     open on top), at `viewport`, its start-up problems forgotten once it has settled. One page
     load: a page start costs Chromium 6-7 s of CPU on 0.33 (measured), and the tests that
     reloaded a fresh page to apply the setting and the size paid two."""
+    server.post_json("/settings/Comfy.TutorialCompleted", True)
     page = open_comfy_page(chromium, server, viewport)
     page.forget_problems()  # the start-up requests (settings, user data, release notes)
     return page
@@ -156,16 +149,6 @@ def comfy_page(chromium, server):
     page = open_comfy_page(chromium, server)
     yield page
     page.close()
-
-
-@pytest.fixture
-def first_start_page(chromium, server):
-    """`comfy_page` as a new user's first start opens it (the tutorial not done); the tutorial is
-    marked done again after the test, for the pages that follow."""
-    page = open_comfy_page(chromium, server, first_start=True)
-    yield page
-    page.close()
-    server.post_json("/settings/Comfy.TutorialCompleted", True)
 
 
 @pytest.fixture

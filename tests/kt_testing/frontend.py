@@ -45,9 +45,7 @@ TO_UI_FORMAT = """async (graph) => {
 def ui_format_converter(chromium, server):
     """API graph -> the frontend's own workflow format, converted by the frontend in a page of
     its own (loading an API graph opens a tab for it, and that graph has the zero uuid). Returns
-    the converter and the page to close. The tutorial marked done, as in `open_comfy_page`: no
-    template browser animating on a first start while the page waits."""
-    server.post_json("/settings/Comfy.TutorialCompleted", True)
+    the converter and the page to close."""
     page = chromium.new_page()
     page.goto(server.url)
     page.wait_for_function(
