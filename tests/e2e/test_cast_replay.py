@@ -141,7 +141,7 @@ def test_the_demo_workflow(servers, stock_assets, tmp_path):
     """example_workflows/api/kontext_lora_training.json on the stock loaders and the demo's
     files, the Flux at 1/12 of its width (`demo_assets.NARROW_FLUX_CONFIG`, through the same
     stock UNETLoader: every block Linear is still over 16 KiB, so all are replayed; the
-    stock-size Flux cost 130 s of 0.33's e2e run, the narrow one a tenth of a step), cut to two
+    stock-size Flux cost 130 s of 0.33's e2e run, the narrow one 12 s alone), cut to two
     steps with the preview at the end (no held-out loss: the same forward as the preview's,
     without the sampler)."""
     import demo_assets

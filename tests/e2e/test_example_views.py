@@ -57,7 +57,8 @@ def demo_makes(name: str) -> bool:
 # A returning user's page (the tutorial done): on a first start 1.32.9 opens its template browser,
 # whose thumbnail placeholders animate offline for as long as it stays open; Chromium then spent
 # 1.1-1.4 cores while the page waited (1.49.6: 0.10-0.17), and this module took 67.3 core-s of
-# the machine on 0.3.75 against 36.0 with the tutorial done (measured one after the other).
+# the machine on 0.3.75 against 26.8 with the tutorial done (0.33: 35.6 and 34.2; measured one
+# after the other).
 PAGE_SIZE = {"width": 1280, "height": 720}  # Playwright's default
 TUTORIAL = "Comfy.TutorialCompleted"
 
