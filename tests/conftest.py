@@ -81,10 +81,13 @@ def pytest_runtest_makereport(item, call):
 
 @pytest.fixture(scope="session")
 def comfy_runtime(tmp_path_factory):
-    """ComfyUI booted in this process (CPU) with the pack loaded as a custom node."""
+    """ComfyUI booted in this process (CPU) with the pack loaded as a custom node, on the CPU
+    with the attention ComfyUI picks on an NVIDIA GPU (scripts/comfy_server.py CPU_ATTENTION_FLAGS)."""
     from kt_testing.comfy_runtime import boot
+    from kt_testing.server import comfy_device
 
-    return boot(tmp_path_factory.mktemp("comfy-base"))
+    options = {"use_pytorch_cross_attention": True} if comfy_device() == "cpu" else {}
+    return boot(tmp_path_factory.mktemp("comfy-base"), options)
 
 
 @pytest.fixture(scope="session")

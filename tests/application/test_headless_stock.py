@@ -16,7 +16,7 @@ import pytest
 
 from demo_assets import ensure_assets, link_into_models, narrow_flux_loads, write_narrow_flux
 from demo_dataset import write_demo_dataset
-from kt_testing.headless import environment
+from kt_testing.headless import environment, with_cpu_attention
 from kt_testing.paths import REPO_ROOT, asset_cache_dir
 
 EXAMPLE = REPO_ROOT / "example_workflows" / "kontext_lora_training.json"
@@ -109,7 +109,7 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
         assert f"\n{key} = {shipped}\n" in text
         text = re.sub(rf"\n{key} = \d+\n", f"\n{key} = {value}\n", text)
     config.write_text(text)
-    result = trainer_core("train", "--config", str(config), "--cpu")
+    result = trainer_core("train", "--config", str(config), "--cpu", *with_cpu_attention([]))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "extra_model_paths_config=" in result.stdout
     assert not (user_base / "models" / "diffusion_models").exists() or not any(
@@ -162,7 +162,7 @@ def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):
     )
     text = re.sub(r'(?m)^lora_name = ".*"$', 'lora_name = "not_a_model"', text)  # a name no run took
     config.write_text(text)
-    result = trainer_core("train", "--config", str(config), "--cpu", timeout=300)
+    result = trainer_core("train", "--config", str(config), "--cpu", *with_cpu_attention([]), timeout=300)
     assert result.returncode == 2, result.stdout + result.stderr
     assert f"[model] diffusion_model: UNETLoader could not load {notes} (" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and len(result.stderr.strip().splitlines()) == 1, result.stderr

@@ -12,6 +12,8 @@ from pathlib import Path
 
 from safetensors.torch import load_file
 
+from comfy_server import CPU_ATTENTION_FLAGS
+
 REPO = Path(__file__).resolve().parents[2]
 PROGRESS = re.compile(r"^\[[#.]+\] \d+/\d+  loss ")  # a progress bar line of the command
 TINY_COMMAND = REPO / "tests" / "kt_testing" / "headless_tiny.py"
@@ -85,8 +87,26 @@ def environment() -> dict:
     return {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
 
 
+def with_cpu_attention(extra: tuple[str, ...] | list[str]) -> list[str]:
+    """The command's arguments `extra` with ComfyUI's NVIDIA attention among the flags it hands
+    ComfyUI (after `--`; scripts/comfy_server.py CPU_ATTENTION_FLAGS says why)."""
+    extra = list(extra)
+    if "--" not in extra:
+        return [*extra, "--", *CPU_ATTENTION_FLAGS]
+    at = extra.index("--") + 1
+    return [*extra[:at], *CPU_ATTENTION_FLAGS, *extra[at:]]
+
+
 def command(config: Path, *extra: str) -> list[str]:
-    return [sys.executable, str(TINY_COMMAND), "train", "--config", str(config), "--cpu", *extra]
+    return [
+        sys.executable,
+        str(TINY_COMMAND),
+        "train",
+        "--config",
+        str(config),
+        "--cpu",
+        *with_cpu_attention(extra),
+    ]
 
 
 def torchrun(config: Path, nproc: int, *launcher: str) -> list[str]:
@@ -103,6 +123,7 @@ def torchrun(config: Path, nproc: int, *launcher: str) -> list[str]:
         "--config",
         str(config),
         "--cpu",
+        *with_cpu_attention([]),
     ]
 
 
