@@ -97,7 +97,9 @@ def with_cpu_attention(extra: tuple[str, ...] | list[str]) -> list[str]:
     return [*extra[:at], *CPU_ATTENTION_FLAGS, *extra[at:]]
 
 
-def command(config: Path, *extra: str) -> list[str]:
+def command(config: Path, *extra: str, cpu_attention: bool = True) -> list[str]:
+    """The command on `config` with `extra` arguments; `cpu_attention` off: without
+    CPU_ATTENTION_FLAGS (a test of the flags the command is given)."""
     return [
         sys.executable,
         str(TINY_COMMAND),
@@ -105,7 +107,7 @@ def command(config: Path, *extra: str) -> list[str]:
         "--config",
         str(config),
         "--cpu",
-        *with_cpu_attention(extra),
+        *(with_cpu_attention(extra) if cpu_attention else extra),
     ]
 
 
