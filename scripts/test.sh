@@ -104,7 +104,13 @@ VERSION_INDEPENDENT_ON_0375=(tests/application/test_headless_parallel.py tests/a
 # And the two the 0.3.75 e2e run takes over: it ended first, 411 s before 0.33's in-process run
 # and 571 s before the suite (fresh clone on 40fa3f1: 1301, 1696, 1712 and 1872 s); they cost
 # 212 s (0.33 in-process) and 56 s (0.33 e2e) of that run's time.
-VERSION_INDEPENDENT_ON_0375_E2E=(tests/e2e/test_resume_and_files.py tests/nodes/test_lora_file_diffusers.py)
+VERSION_INDEPENDENT_ON_0375_E2E=(tests/e2e/test_resume_and_files.py tests/nodes/test_lora_file_diffusers.py
+    tests/nodes/test_old_checkpoint.py)
+# those outside tests/e2e: added to the 0.3.75 e2e run, left out of the other 0.3.75 run
+MOVED_TO_0375_E2E=()
+for name in "${VERSION_INDEPENDENT_ON_0375_E2E[@]}"; do
+    [[ $name == tests/e2e/* ]] || MOVED_TO_0375_E2E+=("$name")
+done
 # And 0.33's e2e run takes klein's command-line file (116 s of 0.33's in-process run, which ends
 # the suite; the e2e run ended 204 s before it in a fresh clone on 435b198): klein runs on 0.33
 # only, so on 0.3.75 the file skips where it is.
@@ -115,12 +121,12 @@ for name in "${VERSION_INDEPENDENT_ON_0375[@]}" "${VERSION_INDEPENDENT_ON_0375_E
 done
 rm -f .test-reports/*.xml  # a run that dies before its report leaves none, not an old one
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 KT_VERSION_INDEPENDENT_HERE="${VERSION_INDEPENDENT_ON_0375_E2E[*]}" \
-    run_pytest "0.3.75 e2e" --basetemp="$TEMP/0.3.75-e2e" tests/e2e tests/gpu tests/nodes/test_lora_file_diffusers.py \
+    run_pytest "0.3.75 e2e" --basetemp="$TEMP/0.3.75-e2e" tests/e2e tests/gpu "${MOVED_TO_0375_E2E[@]}" \
     "$@" 2>&1 | sed -u 's/^/[0.3.75 e2e] /' &
 pids=($!)
 KT_VERSION_INDEPENDENT_ELSEWHERE=1 KT_VERSION_INDEPENDENT_HERE="${VERSION_INDEPENDENT_ON_0375[*]}" \
     run_pytest 0.3.75 --basetemp="$TEMP/0.3.75" --ignore=tests/e2e --ignore=tests/gpu \
-    --ignore=tests/nodes/test_lora_file_diffusers.py "$@" 2>&1 | sed -u 's/^/[0.3.75] /' &
+    "${MOVED_TO_0375_E2E[@]/#/--ignore=}" "$@" 2>&1 | sed -u 's/^/[0.3.75] /' &
 pids+=($!)
 on_033 "0.33 e2e" --basetemp="$TEMP/0.33-e2e" tests/e2e tests/gpu "${ON_033_E2E[@]}" "${ignore_on_033[@]}" "$@" 2>&1 |
     sed -u 's/^/[0.33 e2e] /' &

@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 from kt_testing.headless import checkpoints, command, run, write_config
 from kt_testing.paths import comfyui_root
 
-pytestmark = pytest.mark.version_independent  # runs on ComfyUI 0.33 only in `make test`
+pytestmark = pytest.mark.version_independent  # once in `make test`: in its 0.3.75 e2e run (scripts/test.sh)
 
 DATA = Path(__file__).resolve().parent / "data" / "written_by_70adb75"
 NAME = "written_by_70adb75"
