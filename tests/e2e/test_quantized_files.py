@@ -1,7 +1,8 @@
 """The shipped Kontext training workflow on ComfyUI's quantized diffusion-model files, loaded by
 the stock UNETLoader through a real server: the demo Flux with every block Linear quantized by
-ComfyUI's own code (at 1/12 of its width where the stock loader reads the width, 0.33:
-`demo_assets.NARROW_FLUX_CONFIG`; the file's size is not what is tested, its form is), in each
+ComfyUI's own code, at 1/12 of its width (`demo_assets.NARROW_FLUX_CONFIG`; the file's size is
+not what is tested, its form is; on 0.3.75 the server reads its 2 heads from the file:
+kt_testing/flux_widths.py), in each
 on-disk form this ComfyUI reads (the older scaled_fp8 form of `flux1-dev-kontext_fp8_scaled`,
 fp8mixed's `_quantization_metadata`, and 0.33's per-layer `comfy_quant`;
 kt_testing/quantized_files.py).
@@ -20,9 +21,9 @@ import json
 import math
 
 import pytest
-from safetensors.torch import load_file
 
 from kt_testing.cast_replay import CAST_REPLAY_ENV
+from kt_testing.flux_widths import FLUX_WIDTHS_ENV
 from kt_testing.graphs import demo_training
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.quantized_files import FORMS, write_quantized_file
@@ -39,20 +40,19 @@ def served(tmp_path_factory, stock_assets):
     import demo_dataset
 
     base = tmp_path_factory.mktemp("quantized-files")
-    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, env={CAST_REPLAY_ENV: "dynamic"}) as running:
+    env = {CAST_REPLAY_ENV: "dynamic", FLUX_WIDTHS_ENV: "1"}
+    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, env=env) as running:
         demo_assets.link_into_models(stock_assets, running.base_dir / "models")
         demo_dataset.write_demo_dataset(running.base_dir / "input" / "kontext_demo", count=2)
         yield running
 
 
 def source_flux(stock_assets) -> dict:
-    """The state dict the quantized files are made from: the narrow demo Flux where this
-    ComfyUI's UNETLoader loads it, else the stock-size demo Flux."""
+    """The state dict the quantized files are made from: the narrow demo Flux (on 0.3.75 the
+    stock-size one cost this module 125 core-s in a fresh clone of c0afdd7)."""
     import demo_assets
 
-    if demo_assets.narrow_flux_loads():
-        return demo_assets.flux_state_dict(config=demo_assets.NARROW_FLUX_CONFIG)
-    return load_file(str(stock_assets["flux"]))
+    return demo_assets.flux_state_dict(config=demo_assets.NARROW_FLUX_CONFIG)
 
 
 def replay_counts(server) -> dict[str, int]:
@@ -139,11 +139,10 @@ def test_a_base_loaded_as_fp8_is_recorded_as_sd_scripts_records_it(served):
     workflow["1"]["inputs"]["weight_dtype"] = "fp8_e4m3fn"
     import demo_assets
 
-    if demo_assets.narrow_flux_loads():  # 0.33: the narrow demo Flux (the dtype is tested, not the size)
-        narrow = served.base_dir / "models" / "diffusion_models" / "kt-narrow-flux.safetensors"
-        if not narrow.exists():
-            demo_assets.write_narrow_flux(narrow)
-        workflow["1"]["inputs"]["unet_name"] = narrow.name
+    narrow = served.base_dir / "models" / "diffusion_models" / "kt-narrow-flux.safetensors"
+    if not narrow.exists():  # the narrow demo Flux: the dtype is tested, not the size
+        demo_assets.write_narrow_flux(narrow)
+    workflow["1"]["inputs"]["unet_name"] = narrow.name
     _, messages = served.run_prompt(workflow, timeout=600)
     assert messages[-1]["type"] == "execution_success", messages[-1]["data"].get("exception_message")
     _, metadata = load(served.base_dir / "models" / "loras" / "kt_fp8_weight_dtype.safetensors")

@@ -32,6 +32,7 @@ from kt_testing.dynamic_vram import (  # noqa: E402
     emulate,
     mapped_weights,
 )
+from kt_testing.flux_widths import FLUX_WIDTHS_ENV, read_flux_widths  # noqa: E402
 from kt_testing.klein import klein_patcher, klein_text_encoder  # noqa: E402
 from kt_testing.probes import model_output  # noqa: E402
 from kt_testing.qwen_image import (  # noqa: E402
@@ -272,6 +273,11 @@ if os.environ.get(CAST_REPLAY_ENV):  # this server's casts reuse memory as 0.33'
     logging.getLogger(__name__).warning(
         "kt test: casts of modules over 16 KiB reuse one buffer (%s)", os.environ[CAST_REPLAY_ENV]
     )
+
+
+if os.environ.get(FLUX_WIDTHS_ENV) == "1":  # this server's UNETLoader loads the narrow demo Flux
+    read_flux_widths()
+    logging.getLogger(__name__).warning("kt test: UNETLoader reads FLUX.1 head counts from the file")
 
 
 if os.environ.get(QWEN_WIDTHS_ENV) == "1":  # this server's UNETLoader loads the tiny Qwen's files
