@@ -283,7 +283,7 @@ def test_fp8_scaled_shares_the_mapped_weights_and_states_its_fp8_copy(servers):
     growth = {}
     for server in servers:
         workflow = fresh_model(
-            server, demo_workflow("kt_dyn_fp8", preview=False, fp8_mode="fp8_scaled"), "kt-dyn-fp8"
+            server, demo_workflow("kt_dyn_fp8", steps=1, preview=False, fp8_mode="fp8_scaled"), "kt-dyn-fp8"
         )
         weights_of(server, workflow)  # loaded
     anonymous_memory(servers[0]), anonymous_memory(servers[1])
