@@ -83,30 +83,22 @@ _ROPE_AXES = {16: (4, 6, 6), 64: (8, 28, 28), 128: (16, 56, 56)}
 
 
 def read_qwen_widths() -> None:
-    """Wrap `comfy.model_detection.detect_unet_config` (which `model_config_from_unet` calls by
-    its module name): for a Qwen-Image file, add the widths its tensors hold (head width from
-    `norm_q`, stream width from `img_in`, text width from `txt_norm`) to what ComfyUI detected."""
-    import comfy.model_detection
+    """For a Qwen-Image file, the widths its tensors hold (head width from `norm_q`, stream width
+    from `img_in`, text width from `txt_norm`) over what ComfyUI detected
+    (`kt_testing.flux_widths.read_widths`)."""
+    from .flux_widths import read_widths
 
-    detect = comfy.model_detection.detect_unet_config
-    if getattr(detect, "reads_qwen_widths", False):
-        return
-
-    def with_qwen_widths(state_dict, key_prefix, *args, **kwargs):
-        config = detect(state_dict, key_prefix, *args, **kwargs)
-        if not config or config.get("image_model") != "qwen_image":
-            return config
+    def widths(state_dict, key_prefix, detected):
         head = state_dict[f"{key_prefix}transformer_blocks.0.attn.norm_q.weight"].shape[0]
         inner = state_dict[f"{key_prefix}img_in.weight"].shape[0]
-        return config | {
+        return {
             "attention_head_dim": head,
             "num_attention_heads": inner // head,
             "joint_attention_dim": state_dict[f"{key_prefix}txt_norm.weight"].shape[0],
             "axes_dims_rope": _ROPE_AXES[head],
         }
 
-    with_qwen_widths.reads_qwen_widths = True
-    comfy.model_detection.detect_unet_config = with_qwen_widths
+    read_widths("qwen_image", widths)
 
 
 def tiny_qwen_image_file(
