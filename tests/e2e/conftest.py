@@ -8,7 +8,13 @@ from urllib.parse import urlparse
 
 import pytest
 
-from kt_testing.frontend import extension_registered, ui_format_converter
+from kt_testing.frontend import (
+    TUTORIAL,
+    close_first_start_templates,
+    extension_registered,
+    is_first_start,
+    ui_format_converter,
+)
 from kt_testing.paths import TEST_NODE_PACKS
 from kt_testing.server import ComfyServer
 
@@ -112,7 +118,7 @@ def open_comfy_page(chromium, server, viewport: dict | None = None):
     """A new page with the real ComfyUI frontend loaded and the pack's extensions and every node
     type registered, its problems watched (`watch_for_problems`); `viewport`: its size, else
     Playwright's default."""
-    first_start = not server.get_json("/settings").get(TUTORIAL)
+    first_start = is_first_start(server)
     page = chromium.new_page(viewport=viewport) if viewport else chromium.new_page()
     watch_for_problems(page)
     page.goto(server.url)
@@ -128,29 +134,8 @@ def open_comfy_page(chromium, server, viewport: dict | None = None):
         arg=node_types,
         timeout=60_000,
     )
-    if first_start and page.evaluate(FRONTEND_VERSION_JS).startswith(FIRST_START_BROWSER_ANIMATES):
-        close_first_start_templates(page)
+    close_first_start_templates(page, first_start)
     return page
-
-
-TUTORIAL = "Comfy.TutorialCompleted"  # unset on a first start: the frontend then opens its templates
-FRONTEND_VERSION_JS = "() => window.__COMFYUI_FRONTEND_VERSION__ ?? ''"
-# On a first start 1.32.9 (ComfyUI 0.3.75) opens its template browser about a second after the
-# node types register; offline, its thumbnail placeholders animate for as long as it is open:
-# Chromium at 1.0-1.2 cores while the page waits, 0.17 once it is closed (measured from /proc on
-# one page, 8 s each; 1.49.6: 0.10-0.17 either way, so its first-start pages are left as they are).
-FIRST_START_BROWSER_ANIMATES = "1.32."
-
-
-def close_first_start_templates(page) -> None:
-    """Close the template browser a first start opened, with its close button, as a user does."""
-    dialog = page.locator(".p-dialog").filter(has=page.locator('[data-testid^="template-workflow-"]'))
-    try:
-        dialog.wait_for(state="visible", timeout=20_000)
-    except Exception as error:
-        raise AssertionError("a first start on frontend 1.32 did not open the template browser") from error
-    dialog.locator("button:has(i.pi-times)").click()
-    dialog.wait_for(state="detached", timeout=10_000)
 
 
 def open_returning_users_page(chromium, server, viewport: dict):

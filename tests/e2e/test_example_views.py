@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from kt_testing.frontend import TUTORIAL
 from kt_testing.paths import REPO_ROOT
 
 EXAMPLES = REPO_ROOT / "example_workflows"
@@ -60,7 +61,6 @@ def demo_makes(name: str) -> bool:
 # the machine on 0.3.75 against 26.8 with the tutorial done (0.33: 35.6 and 34.2; measured one
 # after the other).
 PAGE_SIZE = {"width": 1280, "height": 720}  # Playwright's default
-TUTORIAL = "Comfy.TutorialCompleted"
 
 
 @pytest.fixture(scope="module", autouse=True)
