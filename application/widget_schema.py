@@ -103,6 +103,7 @@ TRAIN_LORA: tuple[Widget, ...] = (
         "resolved to); sample with the same one (MultiImageConditioning's "
         f"tooltip says what each one is). {layouts_by_family()} index_timestep_zero needs ComfyUI "
         "0.33+ (references modulated at timestep 0).",
+        advanced=True,
     ),
     Widget(
         "timestep_sampler",
@@ -151,6 +152,7 @@ TRAIN_LORA: tuple[Widget, ...] = (
     Widget(
         "seed",
         "Seeds LoRA init, data order, noise, timesteps and dropout: same seed, same run.",
+        advanced=True,
         control_after_generate=False,
     ),
     Widget(
@@ -176,6 +178,7 @@ TRAIN_LORA: tuple[Widget, ...] = (
             "Every N steps and at the end, the flow loss of the dataset's held-out samples (hold_out)"
             " at fixed noise levels and noise: its own curve on the chart. 0: only at the end."
         ),
+        advanced=True,
         optional=True,
     ),
     Widget(

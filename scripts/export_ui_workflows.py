@@ -38,6 +38,7 @@ SHOT_SETTINGS = {
 # (LiteGraph's low-quality threshold; MinFontSizeForLOD 8 px on 14 px text on 1.49), and a
 # fit-to-window view of a training graph is below that on a laptop screen.
 OPEN_SCALE = 0.8
+OPEN_LEFT_PX = 100  # the graph's left edge on the page: right of the side bar
 EXAMPLE_MARK = "kontext_trainer_example"  # in `extra`: web/js/example_view.js reads it
 # What each example does and what it needs, on the canvas (custom-node template cards show only
 # the file name: the frontend's template store gives a pack's cards no title or description).
@@ -127,18 +128,50 @@ NOTES = {
         "flux2-vae.safetensors."
     ),
 }
-# After the API graph is laid out: the note above it, seeds that stay put (a user comparing LoRAs
-# compares them on one seed), and the view at OPEN_SCALE with the note and the first nodes in it.
-ARRANGE_JS = """([note, scale]) => {
+# After the frontend has laid the API graph out (`LGraph.arrange`: columns by depth, 100 px
+# apart, each node at the size it has before anything loads), the graph as a user sees it:
+# - a LoadImage at the height both frontends grow it to once its image shows (its two widget
+#   rows and the 220 px image preview): laid out at 102 px, it grew over the node below (issue 45);
+# - each PreviewAny (the dataset report) under the node it shows, wide and tall enough for the
+#   report's lines (1.49 gave it a box of 4 lines);
+# - columns and rows packed again at those sizes, closer than arrange's 100 px, so a training
+#   graph at OPEN_SCALE ends left of the minimap (both frontends show it at the bottom right);
+# - the note above the graph, seeds that stay put (a user comparing LoRAs compares them on one
+#   seed), and the view at OPEN_SCALE with the note and the first nodes in it.
+ARRANGE_JS = """([note, scale, left_px]) => {
     const app = window.comfyAPI.app.app;
     const graph = app.graph;
+    const TITLE = window.LiteGraph.NODE_TITLE_HEIGHT;
+    const COLUMN_GAP = 50, ROW_GAP = 40;
+    const LOADED_IMAGE_NODE = 314, REPORT_SIZE = [400, 240];
     for (const node of graph._nodes) {
         for (const widget of node.widgets ?? []) {
             if (widget.name === "control_after_generate") widget.value = "fixed";
         }
+        if (node.type === "LoadImage") node.size[1] = Math.max(node.size[1], LOADED_IMAGE_NODE);
+        if (node.type === "PreviewAny") {
+            node.size = [...REPORT_SIZE];
+            const source = node.getInputNode(0);
+            if (source) node.pos = [source.pos[0], Infinity]; // the bottom of its source's column
+        }
+    }
+    const columns = new Map();
+    for (const node of graph._nodes) {
+        if (!columns.has(node.pos[0])) columns.set(node.pos[0], []);
+        columns.get(node.pos[0]).push(node);
     }
     const left = Math.min(...graph._nodes.map((n) => n.pos[0]));
-    const top = Math.min(...graph._nodes.map((n) => n.pos[1]));
+    const top = Math.min(...graph._nodes.filter((n) => isFinite(n.pos[1])).map((n) => n.pos[1]));
+    let x = left;
+    for (const [, column] of [...columns.entries()].sort((a, b) => a[0] - b[0])) {
+        column.sort((a, b) => a.pos[1] - b.pos[1]);
+        let y = top;
+        for (const node of column) {
+            node.pos = [x, y];
+            y += node.size[1] + TITLE + ROW_GAP;
+        }
+        x += Math.max(...column.map((n) => n.size[0])) + COLUMN_GAP;
+    }
     const memo = window.LiteGraph.createNode("Note");
     memo.title = "About this example";
     memo.widgets[0].value = note;
@@ -146,8 +179,9 @@ ARRANGE_JS = """([note, scale]) => {
     memo.pos = [left, top - 240];
     graph.add(memo);
     app.canvas.ds.scale = scale;
-    // (screen = (graph + offset) x scale): the note's corner 150 px right of and below the page's
-    app.canvas.ds.offset = [150 / scale - left, 150 / scale - (top - 240)];
+    // (screen = (graph + offset) x scale): the note's corner left_px right of and 150 px below
+    // the page's
+    app.canvas.ds.offset = [left_px / scale - left, 150 / scale - (top - 240)];
     app.canvas.setDirty(true, true);
 }"""
 SAVED_JS = "() => JSON.parse(JSON.stringify(window.comfyAPI.app.app.graph.serialize()))"
@@ -184,7 +218,7 @@ def main() -> int:
                 }""",
                 [json.loads(source.read_text()), source.name],
             )
-            page.evaluate(ARRANGE_JS, [NOTES[source.stem], OPEN_SCALE])
+            page.evaluate(ARRANGE_JS, [NOTES[source.stem], OPEN_SCALE, OPEN_LEFT_PX])
             workflow = page.evaluate(SAVED_JS)
             # the pack's extension opens it at its saved view from the template browser too
             # (web/js/example_view.js)

@@ -1,6 +1,8 @@
 """What a user sees when an example opens (issue 33): a zoom at which the frontend draws node
 text, a note that says what the example does and which files it needs that the demo cannot
-make, and samplers whose seed stays fixed between runs."""
+make, and samplers whose seed stays fixed between runs; on a 1920 x 937 page (issue 45), no node
+under the frontend's minimap at the opening view, and no node over another once every
+LoadImage shows its image (a preview grows the node)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,48 @@ OPEN_JS = """async ([workflow, name]) => {
     const notes = app.graph.nodes.filter((n) => n.type === "Note").map((n) => n.widgets[0].value);
     return { scale: app.canvas.ds.scale, seeds, notes };
 }"""
+# At the opening view: the nodes the minimap covers (both frontends show it at the bottom right
+# by default). Then each LoadImage brought on screen (the canvas adds its image preview when it
+# draws it) until its image shows; every node's box, title included; the report's text box.
+LAYOUT_JS = """async () => {
+    const app = window.comfyAPI.app.app;
+    const canvas = app.canvas;
+    const frames = (n) => new Promise((resolve) => {
+        const step = () => (n-- > 0 ? requestAnimationFrame(step) : resolve());
+        step();
+    });
+    await frames(2);
+    const TITLE = LiteGraph.NODE_TITLE_HEIGHT;
+    const box = (n) => [n.pos[0], n.pos[1] - TITLE, n.pos[0] + n.size[0], n.pos[1] + n.size[1]];
+    const onScreen = (b) => {
+        const rect = canvas.canvas.getBoundingClientRect();
+        const { offset, scale } = canvas.ds;
+        return [rect.left + (b[0] + offset[0]) * scale, rect.top + (b[1] + offset[1]) * scale,
+                rect.left + (b[2] + offset[0]) * scale, rect.top + (b[3] + offset[1]) * scale];
+    };
+    const meets = (a, b) => a[0] < b[2] && b[0] < a[2] && a[1] < b[3] && b[1] < a[3];
+    const map = document.querySelector('.minimap-main-container')?.getBoundingClientRect();
+    const mapBox = map?.width ? [map.left, map.top, map.right, map.bottom] : null;
+    const underMap = app.graph.nodes.filter((n) => mapBox && meets(onScreen(box(n)), mapBox))
+        .map((n) => n.title);
+    const previewed = [];
+    for (const node of app.graph.nodes.filter((n) => n.type === 'LoadImage')) {
+        canvas.centerOnNode(node);
+        canvas.setDirty(true, true);
+        const shown = () => (node.widgets ?? []).some((w) => w.name === '$$canvas-image-preview');
+        for (let i = 0; i < 100 && !shown(); i++) await frames(1);
+        await frames(2);
+        previewed.push(shown());
+    }
+    const boxes = app.graph.nodes.map((n) => [n.title, box(n)]);
+    const overlaps = [];
+    for (const [i, [a, boxA]] of boxes.entries()) {
+        for (const [b, boxB] of boxes.slice(i + 1)) if (meets(boxA, boxB)) overlaps.push([a, b]);
+    }
+    const report = app.graph.nodes.filter((n) => n.type === 'PreviewAny')
+        .map((n) => n.widgets.find((w) => ['preview_text', 'preview'].includes(w.name))?.computedHeight ?? 0);
+    return { mapBox, underMap, previewed, overlaps, report };
+}"""
 
 
 def user_images(inputs) -> None:
@@ -60,7 +104,8 @@ def demo_makes(name: str) -> bool:
 # 1.1-1.4 cores while the page waited (1.49.6: 0.10-0.17), and this module took 67.3 core-s of
 # the machine on 0.3.75 against 26.8 with the tutorial done (0.33: 35.6 and 34.2; measured one
 # after the other).
-PAGE_SIZE = {"width": 1280, "height": 720}  # Playwright's default
+REPORT_BOX_PX = 150  # about 10 lines of the report (PreviewAny) without scrolling
+PAGE_SIZE = {"width": 1920, "height": 937}  # a full-HD screen's page, the browser's bars taken
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +133,14 @@ def test_an_example_opens_readable_with_its_note_and_fixed_seeds(module_returnin
             if not demo_makes(name) and not name.startswith(("flux2_lora", "kontext_demo")):
                 assert name.removesuffix(".safetensors") in note, f"{path.name}: the note never names {name}"
     assert all(value == "fixed" for value in seen["seeds"]), f"{path.name}: seeds {seen['seeds']}"
-    module_page.wait_for_timeout(500)  # LoadImage previews load on the next ticks
+
+    layout = module_page.evaluate(LAYOUT_JS)
+    assert layout["mapBox"], "the frontend shows no minimap: this test checks nothing under it"
+    assert not layout["underMap"], f"{path.name}: the minimap covers {layout['underMap']}"
+    assert all(layout["previewed"]), f"{path.name}: a LoadImage never showed its image {layout}"
+    assert not layout["overlaps"], f"{path.name}: with its images shown, nodes overlap: {layout['overlaps']}"
+    # the dataset report's text box: 190 px on 1.49.6, 214 on 1.32.9 (4 lines, 72 px, before)
+    assert all(height >= REPORT_BOX_PX for height in layout["report"]), f"{path.name}: {layout['report']}"
     assert not module_page.ui_problems(), module_page.ui_problems()
 
 

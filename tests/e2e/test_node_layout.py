@@ -1,8 +1,9 @@
 """A fresh TrainLoRA in the real frontend (1.32 with ComfyUI 0.3.75, 1.49 with 0.33), added to the
-canvas as the node search adds it, in a 1920 x 1080 window: hidden advanced widgets take no
-space, the live panel shows at 100 % zoom without scrolling, the empty chart's text is legible
-at the zoom the training examples open at, and the preview area says whether a PreviewSampler
-is connected.
+canvas as the node search adds it, on a 1920 x 937 page (a full-HD screen less the browser's
+bars): hidden advanced widgets take no space, the whole node with its live panel shows at 100 %
+zoom without scrolling (issue 45: it was 862 px tall, its last line below the page's edge), the
+empty chart's text is legible at the zoom the training examples open at, and the preview area
+says whether a PreviewSampler is connected.
 
 A screenshot of the fresh node at 100 % goes to KT_SCREENSHOT_DIR when set, else to the test's
 tmp_path, named after the frontend version."""
@@ -20,7 +21,7 @@ from kt_testing.paths import REPO_ROOT
 
 TRAIN = "KontextTrainer_TrainLoRA"
 SAMPLER = "KontextTrainer_PreviewSampler"
-WINDOW = {"width": 1920, "height": 1080}  # a full-HD browser window
+WINDOW = {"width": 1920, "height": 937}  # a full-HD screen's page, the browser's bars taken
 TITLE_AT = (120, 140)  # where the node's title goes on screen: right of the side bar, below the menus
 ROW = 24  # a widget row on the canvas: LiteGraph.NODE_WIDGET_HEIGHT (20) and 4 px between rows
 LEGIBLE_PX = 9  # the smallest text height (ink, ascender to descender) a user reads on screen

@@ -23,7 +23,7 @@ function formatLoss(value) {
 // `validation`: [step, loss] pairs, steps 1-based like the losses' positions.
 export function drawChart(canvas, losses, validation = []) {
   const width = canvas.clientWidth || 240; // 0 while the node is hidden: draw at a default size
-  const height = canvas.clientHeight || 96;
+  const height = canvas.clientHeight || 84;
   const scale = RESOLUTION;
   if (canvas.width !== width * scale) canvas.width = width * scale;
   if (canvas.height !== height * scale) canvas.height = height * scale;

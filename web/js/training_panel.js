@@ -22,6 +22,10 @@ const ROUTE = "/kontext_trainer/progress";
 const STATUS_COLORS = { idle: "#888", queued: "#a0a0ff", running: "#ffaa3c", finished: "#5fd068" };
 const PROBLEM_COLOR = "#e05050"; // error, cancelled
 const MIN_NODE_WIDTH = 460; // room for three preview thumbnails side by side
+// The panel's height: status, bar, loss, speed, chart (84), a row of previews (129: a 112 px
+// thumbnail and its step) and two lines of message (a longer one scrolls), 4 px apart. With the
+// node's basic widgets, a fresh TrainLoRA at 100 % fits a 1920 x 937 page (issue 45).
+const PANEL_PX = 326;
 const store = new RunStore();
 
 function shownWorkflowId() {
@@ -207,11 +211,11 @@ function panelElement() {
     <div style="height:6px;background:#333;border-radius:3px;overflow:hidden">
       <div class="kt-bar-fill" style="height:100%;width:0;background:#ffaa3c"></div></div>
     <div class="kt-loss"></div><div class="kt-speed" style="opacity:.8"></div>
-    <canvas style="width:100%;height:96px;border-radius:4px"></canvas>
-    <div class="kt-previews" style="display:none;gap:6px;overflow-x:auto;padding-bottom:2px"></div>
-    <div class="kt-no-previews" style="height:150px;display:flex;align-items:center;justify-content:center;
+    <canvas style="width:100%;height:84px;border-radius:4px;flex:none"></canvas>
+    <div class="kt-previews" style="display:none;flex:none;gap:6px;overflow-x:auto;padding-bottom:2px"></div>
+    <div class="kt-no-previews" style="height:129px;flex:none;display:flex;align-items:center;justify-content:center;
       border:1px dashed #444;border-radius:4px;color:#777;text-align:center;padding:0 12px"></div>
-    <div class="kt-message" style="white-space:pre-wrap;overflow-wrap:anywhere"></div>`;
+    <div class="kt-message" style="white-space:pre-wrap;overflow-wrap:anywhere;flex:1 1 0;min-height:26px;overflow-y:auto"></div>`;
   return element;
 }
 
@@ -251,7 +255,7 @@ app.registerExtension({
     node.addDOMWidget("training_panel", "div", node.ktTrainingPanel, {
       serialize: false,
       hideOnZoom: false,
-      getMinHeight: () => 360,
+      getMinHeight: () => PANEL_PX,
     });
     // fit the panel in from the start (else the canvas grows the node while it draws it, and
     // the first frame shows the panel below the node); a saved size wins later

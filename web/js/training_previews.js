@@ -3,7 +3,7 @@
 // one large (Escape, or another click, closes it).
 const { api } = window.comfyAPI.api;
 
-const THUMBNAIL_PX = 136;
+const THUMBNAIL_PX = 112; // three side by side on the node; a click opens one large
 
 function previewURL(preview) {
   const query = new URLSearchParams({ filename: preview.filename, subfolder: preview.subfolder, type: preview.type });
