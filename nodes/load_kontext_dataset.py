@@ -36,7 +36,7 @@ class LoadKontextDataset(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         return io.Schema(
             node_id=node_id("LoadKontextDataset"),
-            display_name="LoadKontextDataset",
+            display_name="Edit Dataset (Kontext Trainer)",
             category="Kontext Trainer",
             description="Loads targets, reference images and captions from a folder (two folder "
             "structures, see the README), validates them, and caches VAE latents and text embeddings.",

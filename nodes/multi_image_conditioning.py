@@ -81,7 +81,7 @@ class MultiImageConditioning(io.ComfyNode):
         ]
         return io.Schema(
             node_id=node_id("MultiImageConditioning"),
-            display_name="MultiImageConditioning",
+            display_name="Multi-Image Conditioning (Kontext Trainer)",
             category="Kontext Trainer",
             description="Adds 1 to 4 reference images to a conditioning, with a chosen position "
             f"layout, for sampling and for TrainLoRA ({trained_models()}; Kontext, DreamOmni2).",

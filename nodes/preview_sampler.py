@@ -29,7 +29,7 @@ class PreviewSampler(io.ComfyNode):
 
         return io.Schema(
             node_id=node_id("PreviewSampler"),
-            display_name="PreviewSampler",
+            display_name="Preview Sampler (Kontext Trainer)",
             category="Kontext Trainer",
             description="Previews for TrainLoRA: samples these prompts (with their reference images) with "
             "the LoRA being trained, every N steps and at the end, using ComfyUI's own sampler.",

@@ -164,9 +164,12 @@ class EventSender:
         return True
 
 
-# Not "TrainLoRA": node search lists it beside ComfyUI core's "Train LoRA"; the node id stays
-# KontextTrainer_TrainLoRA, so saved workflows keep loading.
-DISPLAY_NAME = "Train Edit LoRA (Kontext Trainer)"
+# Not "TrainLoRA": node search lists it beside ComfyUI core's "Train LoRA". The pack's four
+# nodes read "<what it is> (Kontext Trainer)"; starting with "LoRA" ranks it among the names
+# that start with the query when a user searches "lora" (5th on frontend 1.32.9, 7th on 1.49.6,
+# on screen without scrolling; "Train Edit LoRA ..." was 11th / 14th), and its node id keeps it
+# 2nd for "train". The node id stays KontextTrainer_TrainLoRA, so saved workflows keep loading.
+DISPLAY_NAME = "LoRA Trainer (Kontext Trainer)"
 
 
 class TrainLoRA(io.ComfyNode):

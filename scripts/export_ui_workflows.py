@@ -38,7 +38,7 @@ SHOT_SETTINGS = {
 # (LiteGraph's low-quality threshold; MinFontSizeForLOD 8 px on 14 px text on 1.49), and a
 # fit-to-window view of a training graph is below that on a laptop screen.
 OPEN_SCALE = 0.8
-OPEN_LEFT_PX = 100  # the graph's left edge on the page: right of the side bar
+OPEN_LEFT_PX = 80  # the graph's left edge on the page: right of the side bar (about 60 px)
 EXAMPLE_MARK = "kontext_trainer_example"  # in `extra`: web/js/example_view.js reads it
 # What each example does and what it needs, on the canvas (custom-node template cards show only
 # the file name: the frontend's template store gives a pack's cards no title or description).
@@ -49,7 +49,7 @@ NOTES = {
         "Dataset: input/kontext_demo (name.png target + name_control.png reference + name.txt "
         "caption). " + DEMO + "\n\nFor real training: load flux1-dev-kontext (or its fp8_scaled "
         "file), clip_l, t5xxl and ae in the loaders, raise resolution, steps and rank. Progress, "
-        "loss and previews show on the Train Edit LoRA node; Cancel writes a checkpoint to resume."
+        "loss and previews show on the LoRA Trainer node; Cancel writes a checkpoint to resume."
     ),
     "kontext_lora_inference": (
         "Edit an image with a trained Kontext LoRA (kontext_demo_lora, what the training example "
@@ -142,7 +142,7 @@ ARRANGE_JS = """([note, scale, left_px]) => {
     const app = window.comfyAPI.app.app;
     const graph = app.graph;
     const TITLE = window.LiteGraph.NODE_TITLE_HEIGHT;
-    const COLUMN_GAP = 50, ROW_GAP = 40;
+    const COLUMN_GAP = 30, ROW_GAP = 40;
     const LOADED_IMAGE_NODE = 314, REPORT_SIZE = [400, 240];
     for (const node of graph._nodes) {
         for (const widget of node.widgets ?? []) {
@@ -237,7 +237,7 @@ def main() -> int:
             page.wait_for_timeout(500)  # opened at its saved view: the note and the first nodes
             thumbnail = target.with_suffix(".jpg")
             # a card is 600 x 380: a region that shrinks little keeps the text readable
-            canvas_only = {"x": 120, "y": 130, "width": 900, "height": 570}  # no menus or banners
+            canvas_only = {"x": 64, "y": 130, "width": 900, "height": 570}  # no menus or banners
             shot = Image.open(io.BytesIO(page.screenshot(clip=canvas_only))).convert("RGB")
             shot.resize((600, 380), Image.Resampling.LANCZOS).save(thumbnail, quality=85)
             print(f"wrote {target.relative_to(REPO_ROOT)} and {thumbnail.name}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ from kt_testing.paths import REPO_ROOT
 
 TRAIN = "KontextTrainer_TrainLoRA"
 SAMPLER = "KontextTrainer_PreviewSampler"
+DATASET = "KontextTrainer_LoadKontextDataset"
+MIC = "KontextTrainer_MultiImageConditioning"
 WINDOW = {"width": 1920, "height": 937}  # a full-HD screen's page, the browser's bars taken
 TITLE_AT = (120, 140)  # where the node's title goes on screen: right of the side bar, below the menus
 ROW = 24  # a widget row on the canvas: LiteGraph.NODE_WIDGET_HEIGHT (20) and 4 px between rows
@@ -227,4 +230,79 @@ def test_the_preview_area_says_whether_a_preview_sampler_is_connected(comfy_page
         train,
     )
     comfy_page.wait_for_function(says, timeout=10_000)
+    assert not comfy_page.ui_problems()
+
+
+# The node search box (double-click on the canvas, type), on both frontends: 1.32.9's PrimeVue
+# AutoComplete and 1.49.6's search box, their input and result items.
+SEARCH_INPUT = "input[id^='comfy-vue-node-search-box-input'], input[aria-controls='results-list']"
+RESULT_ITEM = "li.p-autocomplete-option, [data-testid='result-item']"
+# The frontend's Pinia stores (through the Vue app on its mount element): the search ranks by
+# popularity too (its custom-node map), which loads about a second after the graph: a search
+# before it ranks without it, and 1.32.9 does not search again.
+STORE = """(id) => [...document.querySelectorAll('body > *')].find((e) => e.__vue_app__)
+    ?.__vue_app__.config.globalProperties.$pinia._s.get(id)"""
+# The results' titles in order, and how many show without scrolling the list.
+RESULTS = """(selector) => {
+    const items = [...document.querySelectorAll(selector)];
+    let list = items[0]?.parentElement;
+    while (list && !/(auto|scroll)/.test(getComputedStyle(list).overflowY)) list = list.parentElement;
+    const box = (list ?? document.documentElement).getBoundingClientRect();
+    const bottom = Math.min(box.bottom, innerHeight) + 1;
+    const shown = items.filter((item) => {
+        const r = item.getBoundingClientRect();
+        return r.top >= box.top - 1 && r.bottom <= bottom;
+    }).length;
+    return { titles: items.map((item) => item.innerText.split('\\n')[0].trim()), shown };
+}"""
+
+
+def search(page, query: str) -> dict:
+    """What the node search shows for `query`, as a user gets it: a double-click on an empty
+    spot of the canvas opens it, the query is typed, the list is read once it stops changing
+    (1.32.9 searches 100 ms after the last key, 1.49.6 on each key)."""
+    canvas = page.locator("#graph-canvas").bounding_box()
+    box = page.locator(SEARCH_INPUT)
+    for _ in range(3):  # under load a double-click is now and then taken as two clicks
+        page.mouse.dblclick(canvas["x"] + canvas["width"] * 0.6, canvas["y"] + canvas["height"] * 0.6)
+        try:
+            box.wait_for(state="visible", timeout=3_000)
+            break
+        except Exception:  # Playwright's TimeoutError
+            page.wait_for_timeout(300)
+    page.wait_for_function("(s) => document.activeElement?.matches(s)", arg=SEARCH_INPUT, timeout=5_000)
+    page.keyboard.type(query)
+    last, since, deadline = None, time.monotonic(), time.monotonic() + 10
+    while time.monotonic() < deadline:
+        now = page.evaluate(RESULTS, RESULT_ITEM)
+        if now != last:
+            last, since = now, time.monotonic()
+        elif time.monotonic() - since >= 0.5:
+            break
+        page.wait_for_timeout(50)
+    # emptied before Escape: 1.32.9's AutoComplete logs a TypeError when it closes with text in it
+    box.fill("")
+    page.keyboard.press("Escape")
+    box.wait_for(state="hidden", timeout=5_000)
+    return last
+
+
+def test_searching_lora_or_train_shows_the_trainer_and_the_kontext_set(comfy_page, server):
+    """Issue 45: "lora" ranked the trainer 14th (1.49.6), below the list's fold; the four display
+    names read as one set, "<what it is> (Kontext Trainer)"."""
+    open_blank_canvas(comfy_page)
+    comfy_page.wait_for_function(f"() => !!({STORE})('nodeFrequency')?.isLoaded", timeout=30_000)
+    names = {
+        key: server.get_json("/object_info")[key]["display_name"] for key in (TRAIN, SAMPLER, DATASET, MIC)
+    }
+    assert all(name.endswith(" (Kontext Trainer)") for name in names.values()), names
+    for query, ours in (
+        ("lora", [TRAIN]),
+        ("train", [TRAIN]),
+        ("dataset", [DATASET]),
+        ("kontext", list(names)),
+    ):
+        seen = search(comfy_page, query)
+        for key in ours:
+            assert names[key] in seen["titles"][: seen["shown"]], (query, names[key], seen)
     assert not comfy_page.ui_problems()

@@ -61,7 +61,7 @@ def test_websocket_reports_a_prompt_run(server):
 
 def test_multi_image_conditioning_is_described_for_the_frontend(server):
     entry = server.get_json("/object_info")["KontextTrainer_MultiImageConditioning"]
-    assert entry["display_name"] == "MultiImageConditioning"
+    assert entry["display_name"] == "Multi-Image Conditioning (Kontext Trainer)"
     layout = entry["input"]["required"]["layout"][1]
     assert layout["options"] == ["auto", "offset", "index", "uxo", "dreamomni2", "index_timestep_zero"]
     assert layout["default"] == "auto"  # the model's own (issue 42)
