@@ -15,7 +15,6 @@ import pytest
 from PIL import Image
 
 from kt_testing.examples import (
-    PYTORCH_ATTENTION,
     inputs_of,
     only_id,
     saved_image,
@@ -23,9 +22,8 @@ from kt_testing.examples import (
     succeeded,
     write_training_inputs,
 )
-from kt_testing.paths import TEST_NODE_PACKS, comfyui_root
+from kt_testing.paths import comfyui_root
 from kt_testing.runs import progress_events
-from kt_testing.server import ComfyServer
 from trainer_core.lora_file import load
 
 # Each stock loader of the examples -> the test-only node (and seed) that builds its tiny part.
@@ -51,15 +49,13 @@ def with_tiny_loaders(workflow: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    """A server of its own (not the session's): an empty models/loras, so the shipped
-    lora_name (with overwrite off) is free whatever other tests have left there. It attends
-    with PyTorch's SDPA, as ComfyUI does on an NVIDIA GPU (on a CPU it picks sub-quadratic
-    attention, which spent 953 of the 1065 samples of the inference runs' sampling, py-spy)."""
-    with ComfyServer(
-        tmp_path_factory.mktemp("flux2-base"), extra_packs=TEST_NODE_PACKS, args=PYTORCH_ATTENTION
-    ) as running:
-        yield running
+def server(server):
+    """The session's server (which attends with PyTorch's SDPA, as ComfyUI does on an NVIDIA GPU),
+    with the shipped lora_name free (overwrite off): the stand-in LoRA the examples' tests leave
+    under that name is removed (a server of its own cost a boot, 8-9 s of CPU)."""
+    lora = inputs_of(shipped("flux2_lora_training.json"), "KontextTrainer_TrainLoRA")["lora_name"]
+    (server.base_dir / "models" / "loras" / f"{lora}.safetensors").unlink(missing_ok=True)
+    return server
 
 
 @pytest.fixture(scope="module")
