@@ -380,13 +380,17 @@ def test_workflow_validates_on_the_server(server, stock_assets, path):
 def test_the_inference_example_runs_as_shipped(server, stock_assets):
     """What `make demo` does, cut short: the training example (one step, overwrite on, its
     preview one sampler step instead of 4, the demo's dataset and reference; the held-out loss
-    as shipped) writes kontext_demo_lora.safetensors; the inference example, its KSampler cut to
-    2 steps instead of 8, then loads it and the reference and saves an image. The steps cut are
-    forwards of the stock-size demo Flux (about 2 s of CPU each), not another path."""
+    as shipped) writes kontext_demo_lora.safetensors (FLUX.1's names and metadata, bf16; it was
+    test_training.py's demo-workflow test, which trained the same graph two steps more); the
+    inference example, its KSampler cut to 2 steps instead of 8, then loads it and the reference
+    and saves an image. The steps cut are forwards of the stock-size demo Flux (about 2 s of CPU
+    each), not another path."""
+    import torch
     from PIL import Image
 
     import demo_assets
     import demo_dataset
+    from trainer_core.lora_file import load
 
     demo_assets.link_into_models(stock_assets, server.base_dir / "models")
     demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo", count=2)
@@ -398,6 +402,12 @@ def test_the_inference_example_runs_as_shipped(server, stock_assets):
     outputs = server.history(prompt_id)["outputs"]
     assert outputs["5"]["lora_name"] == ["kontext_demo_lora.safetensors"]
     assert "held-out samples" in outputs["6"]["text"][0]  # the dataset report, shown by PreviewAny
+    tensors, metadata = load(server.base_dir / "models" / "loras" / "kontext_demo_lora.safetensors")
+    assert metadata["ss_base_model_version"] == "flux1"  # sd-scripts' name for every FLUX.1
+    assert metadata["kontext_trainer.base_model"] == "flux1_kontext"
+    assert metadata["kontext_trainer.layout"] == "offset"
+    qkv = tensors["lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight"]
+    assert qkv.dtype == torch.bfloat16  # the default save_precision
 
     inference = json.loads((EXAMPLES / "api" / "kontext_lora_inference.json").read_text())
     inference["10"]["inputs"]["steps"] = 2
