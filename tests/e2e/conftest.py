@@ -16,7 +16,6 @@ from kt_testing.frontend import (
     ui_format_converter,
 )
 from kt_testing.paths import TEST_NODE_PACKS
-from kt_testing.qwen_image import QWEN_WIDTHS_ENV
 from kt_testing.server import ComfyServer
 
 CHROMIUM_FLAGS = [
@@ -31,12 +30,8 @@ CHROMIUM_FLAGS = [
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
-    """One server per session, with the pack and the tests' own tiny-model nodes; its UNETLoader
-    reads a Qwen-Image file's widths (the tiny Qwen-Image-Edit of the examples' tests; a file of
-    Qwen-Image's own widths loads as ComfyUI detects it)."""
-    with ComfyServer(
-        tmp_path_factory.mktemp("server-base"), extra_packs=TEST_NODE_PACKS, env={QWEN_WIDTHS_ENV: "1"}
-    ) as running:
+    """One server per session, with the pack and the tests' own tiny-model nodes."""
+    with ComfyServer(tmp_path_factory.mktemp("server-base"), extra_packs=TEST_NODE_PACKS) as running:
         yield running
 
 

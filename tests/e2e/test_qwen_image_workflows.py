@@ -75,27 +75,24 @@ def with_stand_ins(workflow: dict) -> dict:
 
 def write_model_file(server, name: str, release: str = "2509", form: str = "plain", config=None):
     """The tiny Qwen-Image-Edit as `name` in the server's diffusion_models/ (seed 3 throughout;
-    `config`: other widths), in place of a stand-in link the examples' tests leave there."""
+    `config`: other widths)."""
     path = server.base_dir / "models" / "diffusion_models" / name
-    if path.is_symlink():
-        path.unlink()
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
         tiny_qwen_image_file(path, seed=3, release=release, form=form, config=config)
     return path
 
 
 @pytest.fixture(scope="module")
-def server(server, comfy_runtime):
-    """The session's server (its UNETLoader reads the tiny Qwen's widths: e2e/conftest.py), with
-    the file the examples name (e4m3 weights, as ComfyUI distributes 2509) and the shipped LoRA
-    names free (overwrite off): the stand-ins the examples' tests leave there are replaced (a
-    server of its own cost a boot, 8-9 s of CPU)."""
-    write_model_file(server, inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"], form="fp8_e4m3fn")
-    for name in (TRAINING, TRAINING_2511):
-        lora = inputs_of(shipped(name), "KontextTrainer_TrainLoRA")["lora_name"]
-        (server.base_dir / "models" / "loras" / f"{lora}.safetensors").unlink(missing_ok=True)
-    return server
+def server(tmp_path_factory, comfy_runtime):
+    with ComfyServer(
+        tmp_path_factory.mktemp("qwen"),
+        extra_packs=TEST_NODE_PACKS,
+        args=PYTORCH_ATTENTION,
+        env={QWEN_WIDTHS_ENV: "1"},
+    ) as running:
+        # the file the examples name: e4m3 weights, as ComfyUI distributes 2509
+        write_model_file(running, inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"], form="fp8_e4m3fn")
+        yield running
 
 
 @pytest.fixture(scope="module")
