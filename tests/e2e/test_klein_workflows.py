@@ -65,20 +65,15 @@ def with_stand_ins(workflow: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def server(server, comfy_runtime):
-    """The session's server, with the tiny klein file where the example's UNETLoader looks for
-    its model (under the name it ships with, in place of the stand-in link the examples' tests
-    leave there; built with the ComfyUI booted in this process), and the shipped lora_name free
-    (overwrite off): the stand-in LoRA the examples' tests leave under that name is removed (a
-    server of its own cost a boot, 8-9 s of CPU)."""
-    models = server.base_dir / "models"
-    unet = models / "diffusion_models" / inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"]
-    unet.parent.mkdir(parents=True, exist_ok=True)
-    unet.unlink(missing_ok=True)
-    save_file(klein_state(seed=3), str(unet))
-    lora = inputs_of(shipped(TRAINING), "KontextTrainer_TrainLoRA")["lora_name"]
-    (models / "loras" / f"{lora}.safetensors").unlink(missing_ok=True)
-    return server
+def server(tmp_path_factory, comfy_runtime):
+    """A server of its own with the tiny klein file where the example's UNETLoader looks for its
+    model (under the name it ships with; built with the ComfyUI booted in this process)."""
+    base = tmp_path_factory.mktemp("klein-base")
+    unet = inputs_of(shipped(TRAINING), "UNETLoader")["unet_name"]
+    (base / "models" / "diffusion_models").mkdir(parents=True)
+    save_file(klein_state(seed=3), str(base / "models" / "diffusion_models" / unet))
+    with ComfyServer(base, extra_packs=TEST_NODE_PACKS, args=PYTORCH_ATTENTION) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")
