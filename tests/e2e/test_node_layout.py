@@ -292,9 +292,8 @@ def test_searching_lora_or_train_shows_the_trainer_and_the_kontext_set(comfy_pag
     names read as one set, "<what it is> (Kontext Trainer)"."""
     open_blank_canvas(comfy_page)
     comfy_page.wait_for_function(f"() => !!({STORE})('nodeFrequency')?.isLoaded", timeout=30_000)
-    names = {
-        key: server.get_json("/object_info")[key]["display_name"] for key in (TRAIN, SAMPLER, DATASET, MIC)
-    }
+    listed = server.get_json("/object_info")
+    names = {key: listed[key]["display_name"] for key in (TRAIN, SAMPLER, DATASET, MIC)}
     assert all(name.endswith(" (Kontext Trainer)") for name in names.values()), names
     for query, ours in (
         ("lora", [TRAIN]),

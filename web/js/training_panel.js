@@ -11,7 +11,7 @@ import { refreshComboLists } from "./combo_lists.js";
 import { drawChart } from "./training_chart.js";
 import { PROGRESS_EVENT } from "./training_events.js";
 import { chartEnvelope, smoothLosses, validationShown, valueRange } from "./training_math.js";
-import { renderPreviews } from "./training_previews.js";
+import { PREVIEW_ROW_PX, renderPreviews } from "./training_previews.js";
 import { ENDED, RunStore, workflowKey } from "./training_runs.js";
 
 const { app } = window.comfyAPI.app;
@@ -22,10 +22,11 @@ const ROUTE = "/kontext_trainer/progress";
 const STATUS_COLORS = { idle: "#888", queued: "#a0a0ff", running: "#ffaa3c", finished: "#5fd068" };
 const PROBLEM_COLOR = "#e05050"; // error, cancelled
 const MIN_NODE_WIDTH = 460; // room for three preview thumbnails side by side
-// The panel's height: status, bar, loss, speed, chart (84), a row of previews (129: a 112 px
-// thumbnail and its step) and two lines of message (a longer one scrolls), 4 px apart. With the
-// node's basic widgets, a fresh TrainLoRA at 100 % fits a 1920 x 937 page (issue 45).
-const PANEL_PX = 326;
+// The panel's height: status (14), bar (6), loss and speed (13 each), chart (84), a row of
+// previews and two lines of message (26; a longer one scrolls), 4 px apart (7 gaps), 4 px of
+// padding and 9 spare: 326 px. With the node's basic widgets, a fresh TrainLoRA at 100 % fits a
+// 1920 x 937 page (issue 45).
+const PANEL_PX = 14 + 6 + 13 + 13 + 84 + PREVIEW_ROW_PX + 26 + 7 * 4 + 4 + 9;
 const store = new RunStore();
 
 function shownWorkflowId() {
@@ -213,7 +214,7 @@ function panelElement() {
     <div class="kt-loss"></div><div class="kt-speed" style="opacity:.8"></div>
     <canvas style="width:100%;height:84px;border-radius:4px;flex:none"></canvas>
     <div class="kt-previews" style="display:none;flex:none;gap:6px;overflow-x:auto;padding-bottom:2px"></div>
-    <div class="kt-no-previews" style="height:129px;flex:none;display:flex;align-items:center;justify-content:center;
+    <div class="kt-no-previews" style="height:${PREVIEW_ROW_PX}px;flex:none;display:flex;align-items:center;justify-content:center;
       border:1px dashed #444;border-radius:4px;color:#777;text-align:center;padding:0 12px"></div>
     <div class="kt-message" style="white-space:pre-wrap;overflow-wrap:anywhere;flex:1 1 0;min-height:26px;overflow-y:auto"></div>`;
   return element;

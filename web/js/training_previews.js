@@ -4,6 +4,8 @@
 const { api } = window.comfyAPI.api;
 
 const THUMBNAIL_PX = 112; // three side by side on the node; a click opens one large
+// A row of previews: a thumbnail, 2 px, its step (13 px), 2 px below (the panel reserves it)
+export const PREVIEW_ROW_PX = THUMBNAIL_PX + 17;
 
 function previewURL(preview) {
   const query = new URLSearchParams({ filename: preview.filename, subfolder: preview.subfolder, type: preview.type });
