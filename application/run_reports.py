@@ -8,20 +8,17 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import errno
 import logging
-import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from safetensors import SafetensorError
 
 from ..comfy_adapter.dynamic_vram import dynamic_vram_notes
 from ..comfy_adapter.lora_session import LoraSession
 from ..comfy_adapter.model_family import vram_estimate
 from ..comfy_adapter.model_view import stored_bytes
-from ..comfy_adapter.previews import PreviewSettings, sample_previews, save_previews
+from ..comfy_adapter.previews import PREVIEW_FOLDER, PreviewSettings, sample_previews, save_previews
 from ..trainer_core.atomic import ensure_folder
 from ..trainer_core.checkpoint import Checkpoint, lineage, new_run_folder, prune, save_checkpoint, step_of
 from ..trainer_core.config import TrainConfig
@@ -38,6 +35,7 @@ from ..trainer_core.run_files import (
 )
 from ..trainer_core.validation import VALIDATION_SIGMAS
 from ..trainer_core.vram import Estimate
+from ..trainer_core.write_errors import remedy, write_problem
 
 if TYPE_CHECKING:  # training_run imports this module
     from .training_run import Run
@@ -59,50 +57,12 @@ class SaveFailed(OSError):
         return self.args[0]
 
 
-def write_problem(error: BaseException) -> str:
-    """Why a write failed, in the operating system's words ("No space left on device")."""
-    if isinstance(error, OSError) and error.strerror:
-        return error.strerror
-    found = re.search(r'message: "([^"]+)"', str(error))  # safetensors' wrapped io::Error
-    return found.group(1) if found else str(error)
-
-
-def write_errno(error: BaseException) -> int | None:
-    """The system's error number of a failed write (an OSError's, or the one safetensors wraps)."""
-    if isinstance(error, OSError) and error.errno:
-        return error.errno
-    found = re.search(r"code: (\d+)", str(error))
-    return int(found.group(1)) if found else None
-
-
-def remedy(error: BaseException, where: Path) -> str:
-    """The one thing to do about a failed write, by its cause: only a full disk is "make room"."""
-    code = write_errno(error)
-    if code in (errno.ENOSPC, errno.EDQUOT):
-        return "make room"
-    if code == errno.ENOTDIR:
-        return f"make {where} a folder again (or point ComfyUI at one)"
-    if code == errno.EEXIST:  # every free name taken (`save_lora`)
-        return f"move or rename the files of that name in {where}"
-    if code in (errno.EACCES, errno.EPERM):
-        return f"give ComfyUI permission to write in {where}"
-    if code == errno.EROFS:
-        return f"make {where} writable (it is on a read-only file system)"
-    if code == errno.ENAMETOOLONG:
-        return "choose a shorter lora_name"
-    if code == errno.ENOENT:
-        return f"make {where} again"
-    return "fix that"
-
-
 def failed_save(
     what: str, where: Path, step: int, error: BaseException, newest: str | None, resume: str = ""
 ) -> SaveFailed:
-    """The one line for a write that failed; `error` itself is raised again when it is no
-    write failure (a SafetensorError about the tensors is a bug to see as it is). `resume`
-    (where the trained weights are, and what to do), else the newest complete checkpoint."""
-    if isinstance(error, SafetensorError) and "IoError" not in str(error):
-        raise error
+    """The one line for a write that failed (an OSError: every write goes through Python's own
+    file objects, `trainer_core.atomic`); `resume` (where the trained weights are, and what to
+    do), else the newest complete checkpoint."""
     fix = remedy(error, where)
     resume = resume or (
         f"nothing saved before is lost: the newest complete checkpoint is {newest}; {fix} and "
@@ -115,7 +75,7 @@ def failed_save(
     )
 
 
-WRITE_ERRORS = (OSError, SafetensorError)
+WRITE_ERRORS = (OSError,)  # a SafetensorError (a tensor it cannot store) is a bug: seen as it is
 
 
 class CheckpointWriter:
@@ -229,8 +189,14 @@ class CheckpointWriter:
         continues its run's snapshots. Only this run's (and its origin's) are pruned."""
         if not self.snapshots and not self.resuming:  # kept aside until this run's LoRA is saved
             self.aside = set_aside_snapshots(self.paths, before=self.facts.started_at)
+        made = not self.paths.snapshots.is_dir()
         ensure_folder(self.paths.snapshots)
-        path = session.save(self.paths.snapshot(step), metadata, modules)
+        try:
+            path = session.save(self.paths.snapshot(step), metadata, modules)
+        except BaseException:
+            if made and not any(self.paths.snapshots.iterdir()):  # leave no empty <name>_steps/
+                self.paths.snapshots.rmdir()
+            raise
         self.snapshots.append(path)
         if self.config.keep_last > 0:
             for old in self.snapshots[: -self.config.keep_last]:
@@ -242,15 +208,28 @@ class PreviewRounds:
     """Preview images sampled during the run: the latest listed on the node, the last few
     rounds kept for the `previews` output."""
 
-    def __init__(self, settings: PreviewSettings, run: Run, job: TrainingJob, tracker):
+    def __init__(
+        self, settings: PreviewSettings, run: Run, job: TrainingJob, tracker, checkpoints: CheckpointWriter
+    ):
         self.settings, self.run, self.job, self.tracker = settings, run, job, tracker
+        self.checkpoints = checkpoints
         self.refs: list[dict] = []
         self.rounds: list[torch.Tensor] = []
 
-    def sample(self, session: LoraSession, step: int) -> None:
+    def sample(self, session: LoraSession, step: int, saved_lora: Path | None = None) -> None:
+        """One round at `step`; `saved_lora`: the LoRA is saved already (the last round), so a
+        failed write says so."""
         with self.tracker.timed("preview"):
             images = sample_previews(session, self.settings, session.config.layout)
-            self.refs.extend(save_previews(images, self.run.temp_dir, self.run.paths.stem, step))
+            try:
+                self.refs.extend(save_previews(images, self.run.temp_dir, self.run.paths.stem, step))
+            except OSError as error:
+                where = self.run.temp_dir / PREVIEW_FOLDER
+                saved = f"the LoRA is saved, {saved_lora}; {remedy(error, where)} to see the previews"
+                newest = self.checkpoints.newest()
+                raise failed_save(
+                    "preview images", where, step, error, newest, saved if saved_lora else ""
+                ) from None
         del self.refs[:-PREVIEW_HISTORY]
         self.rounds.append(images)
         del self.rounds[:-PREVIEW_ROUNDS_OUT]

@@ -172,6 +172,7 @@ class TrainingRun:
         self.paths, self.collective, self.writes = run.paths, run.collective, run.rank == 0
         self.family = run.family or family_of(model)  # resolved once for the run
         self.final_checkpoint: Path | None = None  # the finished run's last checkpoint
+        self.preview_note = ""  # the last previews could not be written (the LoRA was saved)
 
     # 1) what the run starts from (loaded here, in the training thread: outside inference mode)
     def start(self) -> None:
@@ -242,7 +243,9 @@ class TrainingRun:
             collective=self.collective,
         )
         self.previews = (
-            PreviewRounds(self.preview, run, job, self.tracker) if self.preview is not None else None
+            PreviewRounds(self.preview, run, job, self.tracker, self.checkpoints)
+            if self.preview is not None
+            else None
         )
         self.empty_text = self.samples.empty_text() if config.caption_dropout > 0 else None
 
@@ -277,6 +280,11 @@ class TrainingRun:
                     validate=(lambda: self._validate(session)) if self.held_out else None,
                     collective=self.collective,
                 )
+                if result.stopped_early:
+                    return self.stopped(session, result)
+                if not self.writes:
+                    return self.finished_elsewhere(session, result)
+                lora_state = self.finished(session, result)
             except NonFiniteLoss as error:
                 self.job.report(status=JobStatus.ERROR, message=str(error))
                 raise
@@ -285,13 +293,8 @@ class TrainingRun:
                 raise
             except torch.OutOfMemoryError as error:
                 raise out_of_memory(error, estimate) from None
-            if result.stopped_early:
-                return self.stopped(session, result)
-            if not self.writes:
-                return self.finished_elsewhere(session, result)
-            lora_state = self.finished(session, result)
         replaced = " (replaced the previous file, overwrite is on)" if self.run.replaces else ""
-        message = self.conflict or f"saved {self.paths.lora}{replaced}"
+        message = (self.conflict or f"saved {self.paths.lora}{replaced}") + self.preview_note
         resume_next, pruned = self.resume_moved(self.final_checkpoint)
         self.job.report(status=JobStatus.FINISHED, message=message + pruned, resume_next=resume_next)
         final_previews = self.previews.images() if self.previews is not None else None
@@ -398,9 +401,12 @@ class TrainingRun:
         lora_state = _read_back(saved)
         if self.previews is not None:  # after the LoRA is safe: a Cancel here only skips this round
             try:
-                self.previews.sample(session, config.steps)
+                self.previews.sample(session, config.steps, saved_lora=saved)
             except self.interrupted:
                 LOGGER.info("TrainLoRA %s: final previews skipped (cancelled)", self.paths.stem)
+            except SaveFailed as error:  # the LoRA is saved: the run succeeded, the message says it
+                LOGGER.warning("TrainLoRA %s: %s", self.paths.stem, error)
+                self.preview_note = f"; {error}"
         return lora_state
 
     def save_lora(self, session: LoraSession, metadata: dict[str, str]) -> Path:

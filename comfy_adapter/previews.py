@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 
 from ..trainer_core.atomic import ensure_folder
+from ..trainer_core.loss_chart import save_png_atomic
 from ..trainer_core.names import preview_name
 from ..trainer_core.validation import evaluating
 from .comfy_loading import as_the_executor_loads
@@ -108,6 +109,6 @@ def save_previews(images: torch.Tensor, temp_dir: Path, stem: str, step: int) ->
     for index, image in enumerate(images):
         name = preview_name(stem, step, index)
         pixels = (image.clamp(0, 1).numpy() * 255).round().astype(np.uint8)
-        Image.fromarray(pixels).save(folder / name)
+        save_png_atomic(Image.fromarray(pixels), folder / name)  # whole or not at all
         refs.append({"filename": name, "subfolder": PREVIEW_FOLDER, "type": "temp", "step": step})
     return refs

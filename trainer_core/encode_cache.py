@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from .lora_file import load, save_atomic
+from .write_errors import write_failed
 
 # Bump when the image pipeline (decode, conversions, resize) changes what is encoded.
 IMAGE_RULE_VERSION = "image-v1"
@@ -59,7 +60,16 @@ class EncodeCache:
 
     def put(self, kind: str, key: str, tensors: dict[str, torch.Tensor]) -> None:
         state = {name: t.detach().contiguous().cpu() for name, t in tensors.items()}
-        save_atomic(state, self.path(kind, key))
+        try:
+            save_atomic(state, self.path(kind, key))
+        except OSError as error:  # whole entries only: the ones written stay valid
+            raise write_failed(
+                "the dataset's encodings",
+                self.root,
+                error,
+                "nothing was trained yet and the encodings written so far are kept; {fix} "
+                "(or choose another cache_folder), then run again",
+            ) from None
 
     def shape(self, kind: str, key: str, name: str) -> tuple[int, ...]:
         """A cached tensor's shape, from the file's header (nothing loaded)."""

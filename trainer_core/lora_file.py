@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as serialize
 
 from .atomic import write_atomic
 from .choices import SavePrecision, choose
@@ -119,10 +119,11 @@ def save_atomic(
     """Write a safetensors file whole or not at all: a temp file in the same folder, flushed,
     then renamed over the destination. An existing file stays intact if anything fails; the
     new file gets the umask's permissions. With `replace` off an existing file is never
-    replaced: FileExistsError (checked at the rename, atomically)."""
-    return write_atomic(
-        path, lambda tmp: save_file(dict(state), str(tmp), metadata=dict(metadata or {})), replace
-    )
+    replaced: FileExistsError (checked at the rename, atomically). The bytes are made first and
+    written by Python's own file object, so a failed write is an OSError with the system's error
+    number (safetensors' own writer words it in a message that changes between versions)."""
+    data = serialize(dict(state), metadata=dict(metadata or {}))
+    return write_atomic(path, lambda tmp: tmp.write_bytes(data), replace)
 
 
 def load(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -146,42 +146,48 @@ class FailingDataset:
 
 
 class DiskFull:
-    """Passes the MODEL through, and from now on lets the pack write `after_writes` more
-    safetensors files (LoRAs, snapshots, checkpoint parts) before each further one fails as
-    safetensors fails on a full disk (its io error 28); `after_writes` -1: room again."""
+    """Passes the MODEL through, and from now on lets the pack serialize `after_writes` more
+    safetensors files (LoRAs, snapshots, checkpoint parts, cache entries); before the next one
+    it fills the real file system that holds `folder` (a small tmpfs the test mounted:
+    `kt_testing.small_disk`) with a filler file, so that write fails as a full disk fails.
+    `after_writes` -1: the filler goes, room again."""
 
     CATEGORY = "kontext trainer tests"
     RETURN_TYPES = ("MODEL",)
     FUNCTION = "fill"
-    ENOSPC = (
-        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on '
-        'device" })'
-    )
 
     @classmethod
     def INPUT_TYPES(cls):
-        return {"required": {"model": ("MODEL",), "after_writes": ("INT", {"default": 0, "min": -1})}}
+        return {
+            "required": {
+                "model": ("MODEL",),
+                "after_writes": ("INT", {"default": 0, "min": -1}),
+                "folder": ("STRING", {"default": ""}),
+            },
+            # the dataset's node runs first (its cache writes are not counted)
+            "optional": {"after": ("KONTEXT_DATASET",)},
+        }
 
-    def fill(self, model, after_writes):
-        import sys
-
-        from safetensors import SafetensorError
+    def fill(self, model, after_writes, folder, after=None):
+        from kt_testing.small_disk import FILLER, fill_up
 
         (module,) = [m for name, m in sys.modules.items() if name.endswith("trainer_core.lora_file")]
-        original = getattr(module, "_kt_original_save_file", module.save_file)
-        module._kt_original_save_file = original
+        original = getattr(module, "_kt_original_serialize", module.serialize)
+        module._kt_original_serialize = original
+        filler = Path(folder) / FILLER
         if after_writes < 0:
-            module.save_file = original
+            module.serialize = original
+            filler.unlink(missing_ok=True)
             return (model,)
         writes = []
 
-        def save_file(*args, **kwargs):
+        def serialize(*args, **kwargs):
             writes.append(1)
-            if len(writes) > after_writes:
-                raise SafetensorError(self.ENOSPC)
+            if len(writes) == after_writes + 1:
+                fill_up(filler)
             return original(*args, **kwargs)
 
-        module.save_file = save_file
+        module.serialize = serialize
         return (model,)
 
 

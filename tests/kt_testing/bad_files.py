@@ -61,15 +61,15 @@ def break_folder_after_writes(lora_file, folder: Path, after_writes: int, kind: 
     if after_writes <= 0:
         break_folder(folder, kind)
         return
-    original = lora_file.save_file
+    original = lora_file.write_atomic  # what save_atomic writes its bytes with
     writes = []
 
-    def save_file(*args, **kwargs):
+    def write_atomic(*args, **kwargs):
         result = original(*args, **kwargs)
         writes.append(1)
         if len(writes) == after_writes:
-            lora_file.save_file = original
+            lora_file.write_atomic = original
             break_folder(folder, kind)
         return result
 
-    lora_file.save_file = save_file
+    lora_file.write_atomic = write_atomic
