@@ -138,21 +138,27 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
             source = _flags_source(options.config, flags, theirs)
             said = comfy_boot.apply_flags(comfyui_root(), flags + theirs, source)
         except ValueError as error:
-            print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
-            return 2
+            return _refused(error)
         options.cpu = options.cpu or said["cpu"]  # ComfyUI's --cpu, as this command's
         options.disable_dynamic_vram = options.disable_dynamic_vram or said["disable_dynamic_vram"]
     options.use_cuda = options.command == "train" and wants_cuda(options.cpu)
     dynamic_vram = not getattr(options, "disable_dynamic_vram", False)
-    config = checked = None
-    if options.command == "config":
-        base = options.base_directory.resolve() if options.base_directory else None
-    else:
-        config = _read_config(options.config)
-        base = config.base_directory
+    config = checked = workflow = None
+    try:  # what the command is given, read before ComfyUI's folders are fixed at import
+        if options.command == "config":
+            base = options.base_directory.resolve() if options.base_directory else None
+            from .workflow_config import read_workflow  # imports none of ComfyUI until it converts
+
+            workflow = read_workflow(options.from_workflow)
+        else:
+            config = _read_config(options.config)
+            base = config.base_directory
+        # ComfyUI's folders (its model paths files read): a bad one is refused before the boot
+        comfy_boot.boot_folders(comfyui_root(), base, options.use_cuda, dynamic_vram)
+    except ValueError as error:
+        return _refused(error)
     if options.command == "train":
         # the run's files and the dataset, before the boot and the model load
-        comfy_boot.boot_folders(comfyui_root(), base, options.use_cuda, dynamic_vram)
         from . import preflight
 
         try:
@@ -165,7 +171,7 @@ def main(argv: list[str] | None = None, load_models=None) -> int:
 
     if options.command == "train":
         return headless.train_command(options, config, checked, load_models)
-    return headless.convert_command(options, config)
+    return headless.convert_command(options, config, workflow)
 
 
 def _comfyui_flags(path: Path) -> list[str]:
@@ -188,20 +194,22 @@ def _flags_source(config: Path, flags: list[str], theirs: list[str]) -> str:
     return " and ".join(where + (["the flags after --"] if theirs else []))
 
 
+def _refused(error: Exception) -> int:
+    """A refusal of what the command was given, in one line; the command's exit status."""
+    print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+    return 2
+
+
 def _read_config(path: Path):
     """The config, read before ComfyUI boots (its folders are fixed at import by the base
-    directory); a bad one ends the command here."""
+    directory); a bad one is a ValueError naming the file."""
     from ..trainer_core.run_config import load_run_config
 
-    try:
-        config = load_run_config(path)
-        base = config.base_directory
-        if not base.is_dir():  # before the boot, which would create ComfyUI's folders in it
-            raise ValueError(
-                f"{path}: [comfyui] base_directory: {base} does not exist; give your ComfyUI base "
-                "directory (the folder with models/, input/ and output/)"
-            )
-        return config
-    except (OSError, ValueError) as error:
-        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
-        raise SystemExit(2) from None
+    config = load_run_config(path)
+    base = config.base_directory
+    if not base.is_dir():  # before the boot, which would create ComfyUI's folders in it
+        raise ValueError(
+            f"{path}: [comfyui] base_directory: {base} does not exist; give your ComfyUI base "
+            "directory (the folder with models/, input/ and output/)"
+        )
+    return config

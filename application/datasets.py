@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..comfy_adapter.comfy_encoders import comfy_encoders
 from ..trainer_core.atomic import folder_problem
-from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset
+from ..trainer_core.dataset import DatasetSettings, KontextDataset, build_dataset, check_hold_out
 from ..trainer_core.dataset_files import scan_dataset, within
 from ..trainer_core.dataset_options import BACKGROUNDS, CACHE_FOLDER_NAME, USE_PATH, DatasetOptions
 from ..trainer_core.encode_cache import EncodeCache
@@ -99,7 +99,8 @@ def summary(dataset: KontextDataset) -> str:
 
 def check_dataset(options: DatasetOptions, confined: bool = True):
     """The dataset folder `options` name, validated without an encoder (every problem in one
-    ValueError, nothing written): its scan, and the cache folder it will use. Folders resolve
+    ValueError, nothing written; then `hold_out` against its samples): its scan, and the cache
+    folder it will use. Folders resolve
     against ComfyUI's input and output directories. `confined` off (the command line): the cache
     may be any absolute folder. The command line calls it before the models load."""
     import folder_paths
@@ -114,7 +115,9 @@ def check_dataset(options: DatasetOptions, confined: bool = True):
     # a dataset picked in the input directory reads nothing outside it: a file there linking out
     # is refused by name, as a linked folder is
     inside = input_dir if not options.path.strip() else None
-    return scan_dataset(root, min_size=options.min_size, confined_to=inside), cache_root
+    scan = scan_dataset(root, min_size=options.min_size, confined_to=inside)
+    check_hold_out(options.hold_out, len(scan.samples))
+    return scan, cache_root
 
 
 def load_dataset(

@@ -176,6 +176,10 @@ def prepare_run(config: RunConfig, collective: Collective | None) -> PreparedRun
         start_file(trainer.start_from_lora) if resume is None else None,
         collective,
         model_file=_model_path(config.model.diffusion_model),
+        encoder_files=(
+            Path(config.model.vae).name,
+            ", ".join(Path(name).name for name in config.model.text_encoders),
+        ),
     )
     return prepare(request)
 
@@ -309,6 +313,7 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
         as_after_a_node()  # the loaders' nodes end here in a workflow
         say(f"training on {load_device(model)}", rank)
         # what the model alone decides, before the dataset is encoded
+        in_section("train", lambda: prepared.check_trained_on(model))  # a resume: the same model
         in_section("model", lambda: prepared.resolve_layout(model))  # `auto`: the model's own
         in_section("train", lambda: prepared.check_config(model))
         dataset, report = in_section(
@@ -328,10 +333,11 @@ def _train(config: RunConfig, load_models, collective: Collective | None, checke
                 prepared.job.stop_requested.set()
 
         outcome = prepared.run_to_end(model, dataset, on_poll)
-    return _finish(prepared, outcome, rank)
+    return _finish(prepared, outcome, rank, config.trainer.resume_from)
 
 
-def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
+def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int, resume_from: str) -> int:
+    """The run's end in a few lines; `resume_from`: the run file's, as the user wrote it."""
     paths = prepared.paths
     if outcome.cancelled:
         if rank == 0 and outcome.checkpoint is not None:
@@ -347,6 +353,12 @@ def _finish(prepared: PreparedRun, outcome: TrainingOutcome, rank: int) -> int:
         say(f"loss chart: {paths.loss_chart}")
         if outcome.losses:
             say(f"loss at the start {outcome.losses[0]:.4f}, at the end {outcome.losses[-1]:.4f}")
+        resume_next = prepared.job.snapshot().resume_next  # as the graph moves its resume_from
+        if resume_next:
+            say(
+                f"keep_last pruned the checkpoint resume_from names ({resume_from}); to go on from this "
+                f'run, set resume_from = "{resume_next}" in [train]'
+            )
     return 0
 
 
@@ -368,19 +380,20 @@ def train_command(options, config: RunConfig, checked, load_models=None) -> int:
         return 2
 
 
-def convert_command(options, config: RunConfig | None) -> int:
-    """`config`: the `workflow` command's config, read before the boot (application.cli)."""
+def convert_command(options, config: RunConfig | None, workflow: dict | None = None) -> int:
+    """`config`: the `workflow` command's config, `workflow`: the `config` command's workflow
+    (`workflow_config.read_workflow`), each read before the boot (application.cli)."""
     try:
         if options.command == "config":
             import folder_paths
 
-            data = json.loads(Path(options.from_workflow).read_text(encoding="utf-8"))
             base = Path(folder_paths.base_path)
-            text = dump_run_config(config_from_workflow(data, base, options.node), RUN_FILE)
+            text = dump_run_config(config_from_workflow(workflow, base, options.node), RUN_FILE)
         else:
             text = json.dumps(workflow_from_config(config), indent=2) + "\n"
     except (OSError, ValueError) as error:
-        print(f"[kontext-trainer] error: {error}", file=sys.stderr, flush=True)
+        given = options.from_workflow if options.command == "config" else options.config
+        print(refusal(given, error), file=sys.stderr, flush=True)
         return 2
     if options.output is None:
         sys.stdout.write(text)

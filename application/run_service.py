@@ -2,13 +2,17 @@
 
     request = RunRequest(lora_name, config, overwrite, resume, start_from)
     prepared = prepare(request)                  # files: names, overwrite, what the run starts from
+    prepared.check_model_alone(model)            # what the settings and the MODEL decide (before
+                                                 # the dataset encodes: resolve_layout + check_config)
     prepared.check_fit(model, dataset)           # the resume matches, the model can train this
                                                  # (check_resume + check_model)
     outcome = prepared.run(model, dataset, ...)  # the job thread, polled until it ends
     chart = prepared.finish(outcome)             # the loss chart beside the LoRA (None: stopped)
 
 `prepare` makes the checks that need no model, so a front end can make them before it loads
-anything (the CLI does); `check_fit` those that need the model and the dataset. Both raise
+anything (the CLI does); `check_model_alone` those the model decides, before the dataset is
+encoded (the node asks for its dataset after them); `check_fit` those that need the model and
+the dataset. All raise
 ValueError with the field and the fix. What differs between the front ends stays in them: how a
 `resume_from` / `start_from_lora` choice becomes a path (`run_policy`), how progress is shown,
 and how a stop is asked for (Cancel, Ctrl-C).
@@ -23,8 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..comfy_adapter.comfy_quantized import check_quantized_model
-from ..comfy_adapter.model_family import check_model_fits, family_of
-from ..comfy_adapter.model_view import diffusion_module
+from ..comfy_adapter.model_family import check_layout_fits, check_model_fits, family_of
+from ..comfy_adapter.model_view import base_fingerprint, diffusion_module
 from ..comfy_adapter.previews import PreviewSettings
 from ..trainer_core.checkpoint import read_state
 from ..trainer_core.config import TrainConfig
@@ -33,11 +37,13 @@ from ..trainer_core.job import MANAGER, Progress, TrainingJob, wait_for
 from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
+from ..trainer_core.trained_on import TrainedOn, Weights, check_encoders, check_model, resume_notes
 from .run_policy import check_run_files, temp_dir
 from .run_reports import write_problem
 from .training_run import Run, TrainingOutcome, run_training
 
 LOGGER = logging.getLogger("kontext_trainer")
+DEFAULTS = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
 
 
 @dataclass(frozen=True)
@@ -51,6 +57,8 @@ class RunRequest:
     start_from: Path | None = None  # a LoRA file whose weights seed a new run (unused on resume)
     collective: Collective | None = None  # data parallel (the CLI under torchrun)
     model_file: Path | None = None  # the base model's file, when known (the LoRA's metadata names it)
+    # the VAE's and the text encoders' file names, where the graph or the run file names them
+    encoder_files: tuple[str, str] = ("", "")
 
 
 @dataclass
@@ -71,6 +79,7 @@ class PreparedRun:
     def check_fit(self, model, dataset) -> None:
         """The model's entry and layout resolved, then both checks below (the node makes them
         together)."""
+        self.check_trained_on(model)
         self.resolve_layout(model)
         self.check_resume(dataset)
         self.check_model(model, dataset)
@@ -87,25 +96,66 @@ class PreparedRun:
             self.run.family = family_of(model)
         return self.run.family
 
+    def check_model_alone(self, model) -> None:
+        """What the settings and the MODEL decide, before the dataset is encoded (the node asks
+        for its dataset after this; the command line makes the same calls): a resume on another
+        model entry first, then the layout and the settings."""
+        self.check_trained_on(model)
+        self.resolve_layout(model)
+        self.check_config(model)
+
     def resolve_layout(self, model) -> None:
-        """The model's entry resolved (`family_for`), and layout `auto` becomes the model's own
-        (ComfyUI's default for it: FLUX.1 `offset`, FLUX.2 `index`) before anything reads it:
-        the resume check, the run, the LoRA's metadata."""
+        """The model's entry resolved (`family_for`), its file read as what it is, layout `auto`
+        the model's own (ComfyUI's default for it: FLUX.1 `offset`, FLUX.2 `index`) before anything
+        reads it (the resume check, the run, the LoRA's metadata), and the layout checked: it
+        fits the model and this ComfyUI runs it."""
         family = self.family_for(model)
-        if self.config.layout == "auto":
-            layout = family.resolve_layout("auto", diffusion_module(model))
+        self.check_model_file(model)  # a 2511 file read as 2509 would resolve 2509's layout
+        layout = family.resolve_layout(self.config.layout, diffusion_module(model))
+        check_layout_fits(model, layout, family=family)
+        if layout != self.config.layout:
             self.request = dataclasses.replace(
                 self.request, config=dataclasses.replace(self.config, layout=layout)
             )
 
+    def check_trained_on(self, model) -> None:
+        """What the run trains on (`Run.trained_on`: the model entry, the base weights); a resume
+        on another model entry is refused here, naming both, before any setting is compared
+        (the MODEL alone decides: the command line checks it before the dataset is encoded)."""
+        if self.run.trained_on is not None:  # checked already (`check_model_alone`)
+            return
+        family = self.family_for(model)
+        name = self.request.model_file.name if self.request.model_file is not None else ""
+        base = Weights(name, base_fingerprint(model))
+        self.run.trained_on = TrainedOn(family.title, base)
+        if self.state is not None:
+            check_model(self.state["config"], self.run.trained_on)
+
     def check_resume(self, dataset) -> None:
         """A resume continues this run exactly: same settings, dataset and processes (the
-        batch as `fit_batch` lowers it, as the run it continues lowered it)."""
+        batch as `fit_batch` lowers it, as the run it continues lowered it), the dataset
+        encoded by the same VAE and text encoder; another base file of the same model resumes
+        with a note shown first on the panel and by the command."""
         self.fit_batch(dataset)
+        if self.run.trained_on is not None:
+            vae, text = self.request.encoder_files
+            image_id, text_id = dataset.encoder_identities
+            self.run.trained_on = dataclasses.replace(
+                self.run.trained_on,
+                vae=Weights(vae, image_id),
+                text_encoder=Weights(text, text_id),
+            )
+        if self.state is not None and self.run.trained_on is not None:
+            check_encoders(self.state["config"], self.run.trained_on)
         if self.state is not None:
             check_resume(
                 self.state, self.config, dataset.content_hash, self.run.world_size, dataset.held_out_hash
             )
+            if self.run.trained_on is not None:
+                notes, self.run.trained_on = resume_notes(
+                    self.state["config"], int(self.state["step"]), self.run.trained_on
+                )
+                self.run.resume_notes = notes
 
     def fit_batch(self, dataset) -> None:
         """A batch larger than the dataset is lowered to it, with a line saying so: the run, its
@@ -130,17 +180,37 @@ class PreparedRun:
         LOGGER.warning("TrainLoRA %s: %s", self.paths.stem, note)
 
     def check_config(self, model) -> None:
-        """The model's family can train with these settings (the model alone decides: the
-        command line checks it before the dataset is encoded)."""
+        """The model's family can train with these settings, and fp8_mode fits the MODEL's
+        weights (the model alone decides: checked before the dataset is encoded); a setting the
+        model ignores, set away from its default, is told once (`ignored_notes`)."""
         self.family_for(model).check_config(self.config)
+        check_quantized_model(model, self.config.fp8_mode)
+        for note in self.ignored_notes(model):
+            if note not in self.run.notes:
+                self.run.notes.append(note)
 
-    def check_model(self, model, dataset) -> None:
-        """The model can train this dataset with this config (family, layout, quantization)."""
-        check_model_fits(model, dataset, self.config.layout, self.family_for(model))
-        self.check_config(model)
+    def ignored_notes(self, model) -> list[str]:
+        """One line per setting the model does not read (`ModelFamily.ignored_settings`) that was
+        set away from its default: the run's notes, shown with the estimate and logged."""
+        ignored = self.family_for(model).ignored_settings(diffusion_module(model))
+        return [
+            f"{name}: {why}, so {name} {getattr(self.config, name)} changes nothing; the LoRA's "
+            "metadata records it as ignored"
+            for name, why in ignored.items()
+            if getattr(self.config, name) != DEFAULTS[name]
+        ]
+
+    def check_model_file(self, model) -> None:
+        """The MODEL's file (where known) says no more than this ComfyUI read from it."""
         if self.request.model_file is not None:
             self.family_for(model).check_model_file(self.request.model_file, diffusion_module(model))
-        check_quantized_model(model, self.config.fp8_mode)
+
+    def check_model(self, model, dataset) -> None:
+        """The model can train this dataset with this config (family, layout, its file,
+        quantization)."""
+        check_model_fits(model, dataset, self.config.layout, self.family_for(model))
+        self.check_config(model)
+        self.check_model_file(model)
 
     def run_to_end(
         self,

@@ -32,6 +32,7 @@ from ..comfy_adapter.model_family import family_of, text_in
 from ..comfy_adapter.model_view import (
     base_model,
     compute_dtype,
+    diffusion_module,
     latent_in,
     layer_names,
     layer_shapes,
@@ -53,6 +54,7 @@ from ..trainer_core.resume import continuation_notes, run_record
 from ..trainer_core.rng import RandomState
 from ..trainer_core.run_files import LoraPaths, remove_stale_partials
 from ..trainer_core.seed_lora import read_seed_lora
+from ..trainer_core.trained_on import TrainedOn
 from ..trainer_core.validation import evaluating, held_out_loss
 from .run_reports import (
     WRITE_ERRORS,
@@ -87,6 +89,10 @@ class Run:
     notes: list[str] = field(default_factory=list)  # what the checks changed (shown with the estimate)
     # the model's `families.ModelFamily` entry, resolved once for the run (`PreparedRun.family_for`)
     family: ModelFamily | None = None
+    # what it trains on (the checkpoints record it: `trainer_core.trained_on`), and what a resume
+    # says about it (shown first on the panel and by the command)
+    trained_on: TrainedOn | None = None
+    resume_notes: list[str] = field(default_factory=list)
 
     @property
     def rank(self) -> int:
@@ -186,10 +192,14 @@ class TrainingRun:
         seeded = seed_lora(run.start_from, self.model, config, self.family) if run.start_from else None
         self.initial = resume.lora if resume else seeded
         self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
-        self.notes = continuation_notes(resume.config, resume.step, config, self.base) if resume else []
+        # what a resume changes first (shown first, and again with the run's last message)
+        self.resume_notes = run.resume_notes + (
+            continuation_notes(resume.config, resume.step, config, self.base) if resume else []
+        )
+        self.notes = list(self.resume_notes)
         self.notes += self.family.file_notes(config) + run.notes
-        if self.family.cannot_tell:  # what ComfyUI cannot tell about the model: the first line
-            self.notes.insert(0, self.family.cannot_tell)
+        if self.family.cannot_tell:  # what ComfyUI cannot tell about the model: after the resume's
+            self.notes.insert(len(self.resume_notes), self.family.cannot_tell)
         for note in self.notes:
             LOGGER.warning("TrainLoRA %s: %s", paths.stem, note)
 
@@ -214,6 +224,9 @@ class TrainingRun:
         )
         if resume is not None:
             record["resumed_from"] = str(resume.path)
+        trained = run.trained_on.record() if run.trained_on is not None else None
+        if trained is not None:
+            record["trained_on"] = trained
         # data parallel: global batches of world_size x batch_size, each process trains its rows
         self.order = DataOrder(dataset.buckets(), config.batch_size * run.world_size, config.seed)
         family = self.family
@@ -232,6 +245,8 @@ class TrainingRun:
             processes=run.world_size,
             mixed_precision=mixed_precision(model),
             model_file=ModelFile(run.model_file) if run.model_file is not None and self.writes else None,
+            ignored=tuple(family.ignored_settings(diffusion_module(model))),
+            trained_on=trained,
         )
         self.checkpoints = CheckpointWriter(
             self.paths,
@@ -295,6 +310,7 @@ class TrainingRun:
                 raise out_of_memory(error, estimate) from None
         replaced = " (replaced the previous file, overwrite is on)" if self.run.replaces else ""
         message = (self.conflict or f"saved {self.paths.lora}{replaced}") + self.preview_note
+        message = "; ".join([*self.resume_notes, message])  # what the resume changed stays first
         resume_next, pruned = self.resume_moved(self.final_checkpoint)
         self.job.report(status=JobStatus.FINISHED, message=message + pruned, resume_next=resume_next)
         final_previews = self.previews.images() if self.previews is not None else None
@@ -364,7 +380,9 @@ class TrainingRun:
         resume_next, pruned = self.resume_moved(checkpoint)
         self.job.report(
             status=JobStatus.CANCELLED,
-            message=f"stopped at step {result.steps}{kept}; resume from {where}{pruned}",
+            message="; ".join(
+                [*self.resume_notes, f"stopped at step {result.steps}{kept}; resume from {where}{pruned}"]
+            ),
             resume_next=resume_next,
         )
         return TrainingOutcome(

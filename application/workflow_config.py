@@ -13,6 +13,7 @@ from ComfyUI's own classes).
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any
@@ -104,6 +105,21 @@ def ui_widget_values(cls: type, saved: list | dict) -> dict[str, Any]:
         values[spec.name] = saved[position]
         position += 1 + spec.trailing
     return values
+
+
+def read_workflow(path: Path) -> dict:
+    """A workflow file's JSON (`read_graph` reads its nodes); a file that is not one is a
+    ValueError naming it, what is wrong and how to get one."""
+    export = "export the workflow from ComfyUI with Workflow > Export, or Export (API), and give that file"
+    try:
+        return json.loads(Path(path).read_text(encoding="utf-8"))
+    except OSError as error:
+        raise ValueError(f"{path}: cannot read the workflow ({error.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a JSON workflow (not UTF-8 text); {export}") from None
+    except json.JSONDecodeError as error:
+        where = f"line {error.lineno}, column {error.colno}"
+        raise ValueError(f"{path}: {where}: not a JSON workflow ({error.msg}); {export}") from None
 
 
 def read_graph(data: dict) -> dict[str, GraphNode]:

@@ -19,6 +19,13 @@ from types import ModuleType
 FLAGS_SET_HERE = {  # ComfyUI flags the command sets from elsewhere: flag -> where instead
     "base_directory": "[comfyui] base_directory in the run file",
 }
+# ComfyUI flags that import a package of their own, which a plain install lacks: the option ->
+# (the module ComfyUI imports, its pip name)
+FLAG_PACKAGES = {
+    "directml": ("torch_directml", "torch-directml"),
+    "use_sage_attention": ("sageattention", "sageattention"),
+    "use_flash_attention": ("flash_attn", "flash-attn"),
+}
 APPLIED: list[str] = []  # the ComfyUI flags this process was started with (`apply_flags`)
 _PATHS_APPLIED = False  # `apply_custom_paths` ran
 
@@ -31,8 +38,10 @@ def apply_flags(root: Path, flags: list[str], source: str) -> dict:
     its own. Then what `main.py` does with them before torch (`--cuda-device`,
     `--deterministic`). Must run before anything imports `comfy.cli_args`: ComfyUI's
     `cuda_malloc` and torch read these options. A flag ComfyUI refuses, or one the command
-    sets from the run file, is a ValueError in one line. Returns what the command itself
-    acts on: {"cpu": --cpu given, "disable_dynamic_vram": --disable-dynamic-vram given}."""
+    sets from the run file, or one whose package is missing, is a ValueError in one line;
+    `--help` prints ComfyUI's help and exits (SystemExit 0), as `main.py --help` does. Returns
+    what the command itself acts on: {"cpu": --cpu given, "disable_dynamic_vram":
+    --disable-dynamic-vram given}."""
     if not flags:
         return {"cpu": False, "disable_dynamic_vram": False}
     if "comfy.cli_args" in sys.modules:
@@ -47,7 +56,12 @@ def apply_flags(root: Path, flags: list[str], source: str) -> dict:
     try:
         with contextlib.redirect_stderr(said), contextlib.redirect_stdout(said):
             importlib.import_module("comfy.cli_args")  # parses sys.argv, as under main.py
-    except SystemExit:  # argparse's error (or --help): the module is not left half-imported
+    except SystemExit as stop:  # argparse's error or help: the module is not left half-imported
+        if not stop.code:  # --help: ComfyUI's own, and nothing trains
+            print("[kontext-trainer] ComfyUI's flags, for [comfyui] flags in the run file or after --:")
+            sys.stdout.write(said.getvalue())
+            sys.stdout.flush()
+            raise
         words = [line for line in said.getvalue().splitlines() if "error:" in line]
         why = words[-1].split("error:", 1)[1].strip() if words else "ComfyUI's parser stopped"
         raise ValueError(f"{source}: ComfyUI does not take the flags {' '.join(flags)} ({why})") from None
@@ -61,6 +75,13 @@ def apply_flags(root: Path, flags: list[str], source: str) -> dict:
     for dest, instead in FLAGS_SET_HERE.items():
         if given.get(dest) != parser.get_default(dest):
             raise ValueError(f"{source}: --{dest.replace('_', '-')} is set by {instead}, not as a flag")
+    for dest, (module, package) in FLAG_PACKAGES.items():
+        if getattr(args, dest, None) not in (None, False) and importlib.util.find_spec(module) is None:
+            flag = f"--{dest.replace('_', '-')}"
+            raise ValueError(
+                f"{source}: {flag} needs the Python package {module}, which is not installed; install "
+                f"it in ComfyUI's Python (pip install {package}), or leave out {flag}"
+            )
     # main.py's environment from its flags, before torch is imported
     if args.cuda_device not in (None, "all"):
         os.environ["CUDA_VISIBLE_DEVICES"] = str(args.cuda_device)
@@ -92,14 +113,12 @@ def apply_custom_paths(root: Path) -> None:
     from comfy.cli_args import args
 
     yaml_beside = root / "extra_model_paths.yaml"
-    if yaml_beside.is_file():
-        utils.extra_config.load_extra_path_config(str(yaml_beside))
-    for config_path in itertools.chain(*(args.extra_model_paths_config or [])):
-        if not Path(config_path).is_file():
-            raise ValueError(
-                f"--extra-model-paths-config: {config_path} does not exist; give the path of the file"
-            )
-        utils.extra_config.load_extra_path_config(config_path)
+    files = [("ComfyUI's model paths", yaml_beside)] if yaml_beside.is_file() else []
+    flag = "--extra-model-paths-config"
+    files += [(flag, Path(p)) for p in itertools.chain(*(args.extra_model_paths_config or []))]
+    for where, config_path in files:
+        check_model_paths_file(config_path, where)
+        utils.extra_config.load_extra_path_config(str(config_path))
     for name, setter in (("output", "set_output_directory"), ("input", "set_input_directory"),
                          ("user", "set_user_directory")):
         folder = getattr(args, f"{name}_directory", None)
@@ -109,6 +128,50 @@ def apply_custom_paths(root: Path) -> None:
     for kind in ("checkpoints", "clip", "vae", "diffusion_models", "loras"):
         folder_paths.add_model_folder_path(kind, os.path.join(output, kind))
     logging.getLogger(__name__).debug("model folders: %s", folder_paths.folder_names_and_paths)
+
+
+def check_model_paths_file(path: Path, where: str) -> None:
+    """`path` as ComfyUI's `load_extra_path_config` reads it: a YAML mapping of names to model
+    kinds and their folders. Else a ValueError in one line naming `where` (the flag) and the
+    file, what is wrong and the fix; ComfyUI's own reader would end in a traceback."""
+    import yaml
+
+    form = (
+        "write it as in ComfyUI's extra_model_paths.yaml.example: a name (shared:), then indented "
+        "lines of a model kind and its folder (vae: models/vae)"
+    )
+    if path.is_dir():
+        raise ValueError(f"{where}: {path} is a folder, not a YAML file; give the path of the file in it")
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise ValueError(
+            f"{where}: {path} does not exist; give the path of a YAML file of model folders"
+        ) from None
+    except (OSError, UnicodeDecodeError) as error:
+        reason = error.strerror if isinstance(error, OSError) else "not UTF-8 text"
+        raise ValueError(f"{where}: {path}: cannot read it ({reason}); give a readable YAML file") from None
+    except yaml.YAMLError as error:  # a MarkedYAMLError says where, and what it was reading there
+        mark, problem = getattr(error, "problem_mark", None), getattr(error, "problem", None)
+        at = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        opened = getattr(error, "context_mark", None)
+        if problem and opened is not None and getattr(error, "context", None):
+            problem = f"{error.context} from line {opened.line + 1}: {problem}"
+        raise ValueError(
+            f"{where}: {path}: {at}not valid YAML{f' ({problem})' if problem else ''}; fix the syntax there"
+        ) from None
+    if not isinstance(data, dict):
+        got = "an empty file" if data is None else {list: "a list", str: "text"}.get(type(data))
+        raise ValueError(
+            f"{where}: {path}: its top level must be a mapping of names to folders, not "
+            f"{got or 'a ' + type(data).__name__}; {form}"
+        )
+    for name, folders in data.items():
+        if folders is not None and not isinstance(folders, dict):
+            raise ValueError(f"{where}: {path}: {name}: must hold model kinds and their folders; {form}")
+        for kind, folder in (folders or {}).items():
+            if kind != "is_default" and not isinstance(folder, str):
+                raise ValueError(f"{where}: {path}: {name}: {kind}: its folder must be text; {form}")
 
 
 def boot_folders(root: Path, base_directory: Path | None, use_cuda: bool, dynamic_vram: bool = True) -> None:

@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import torch
 
+from ..trainer_core.fingerprint import structure_digest, weights_identity
 from ..trainer_core.vram import module_weight_bytes
 from .cast_contract import linear_names
 from .comfy_quantized import weight_formats
@@ -63,3 +64,27 @@ def latent_in(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """The model's latent format going in (ComfyUI's `process_latent_in`): what sampling does to
     a VAE latent before the model sees it."""
     return model.model.process_latent_in
+
+
+def base_fingerprint(model) -> str:
+    """A cheap fingerprint of the base weights as loaded (`trainer_core.fingerprint`: names,
+    shapes, dtypes and at most 64 sampled values per tensor): two files of one architecture
+    (another seed, another release, another precision) differ. Weights ComfyUI patched in place
+    count as their originals (the patcher's backup), its patches by their own fingerprint; a
+    tensor whose values cannot be sampled here (a quantized tensor subclass) counts by name,
+    shape and dtype (its scales are sampled)."""
+    backup = getattr(model, "backup", None) or {}
+
+    def tensors():
+        for name, tensor in diffusion_module(model).state_dict(keep_vars=True).items():
+            kept = backup.get(f"diffusion_model.{name}")
+            tensor = kept.weight if kept is not None else tensor
+            if type(tensor) in (torch.Tensor, torch.nn.Parameter):
+                yield name, tensor
+            else:
+                yield name, torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+
+    with torch.no_grad():  # a LoRA the graph applies to the MODEL is part of the base it trains on
+        return weights_identity(
+            tensors(), extra=("base model", structure_digest(getattr(model, "patches", {})))
+        )

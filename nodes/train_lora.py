@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import secrets
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -99,6 +100,9 @@ class SavedLoras:
 
 
 SAVED = SavedLoras()
+# the MODEL's family entry as the early check resolved it (`TrainLoRA.check_lazy_status`), taken
+# by the run that follows on the same MODEL: a run resolves its entry once
+EARLY_FAMILIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the loaders whose file a MODEL comes from: their file widget and its models folder
@@ -122,6 +126,36 @@ def model_file_of(prompt: dict | None, node: str) -> Path | None:
                 return Path(found) if found else None
         link = inputs.get("model")
     return None
+
+
+def _loader_widgets(prompt: dict | None, link, wanted) -> list[str]:
+    """The file names in the widgets `wanted(name)` of the loader a link comes from, followed
+    back through the nodes that pass the same input on (as `model_file_of`); [] where the graph
+    does not say."""
+    for _ in range(64):
+        if not (isinstance(link, list) and link):
+            return []
+        node = (prompt or {}).get(str(link[0])) or {}
+        inputs = node.get("inputs") or {}
+        names = [value for key, value in sorted(inputs.items()) if wanted(key) and isinstance(value, str)]
+        if names:
+            return names
+        link = next((value for key, value in inputs.items() if key in ("vae", "clip")), None)
+    return []
+
+
+def encoder_files_of(prompt: dict | None, node: str) -> tuple[str, str]:
+    """The VAE's and the text encoders' file names of TrainLoRA `node`'s dataset (its
+    LoadKontextDataset's VAE and CLIP loaders), "" where the graph does not say."""
+    dataset = ((prompt or {}).get(str(node), {}).get("inputs") or {}).get("dataset")
+    inputs = (
+        ((prompt or {}).get(str(dataset[0])) or {}).get("inputs") or {} if isinstance(dataset, list) else {}
+    )
+    vae = _loader_widgets(prompt, inputs.get("vae"), lambda key: key in ("vae_name", "ckpt_name"))
+    clip = _loader_widgets(
+        prompt, inputs.get("clip"), lambda key: key.startswith("clip_name") or key == "ckpt_name"
+    )
+    return ", ".join(vae), ", ".join(clip)
 
 
 def workflow_id(extra_pnginfo) -> str | None:
@@ -190,7 +224,8 @@ class TrainLoRA(io.ComfyNode):
             hidden=[io.Hidden.unique_id, io.Hidden.prompt, io.Hidden.extra_pnginfo],
             inputs=[
                 io.Model.Input("model", tooltip="The MODEL from the stock loader (a clone is trained)."),
-                Dataset.Input("dataset", tooltip="From LoadKontextDataset."),
+                # lazy: asked for once the settings and the MODEL pass (`check_lazy_status`)
+                Dataset.Input("dataset", tooltip="From LoadKontextDataset.", lazy=True),
                 *widgets(
                     TRAIN_LORA,
                     [TrainerOptions, TrainConfig],
@@ -231,6 +266,43 @@ class TrainLoRA(io.ComfyNode):
         return SAVED.fingerprint(stem) if stem is not None else lora_name
 
     @classmethod
+    def check_lazy_status(
+        cls,
+        model,
+        lora_name,
+        overwrite,
+        resume_from,
+        dataset=None,
+        start_from_lora=NO_START,
+        preview=None,
+        **settings,
+    ) -> list[str]:
+        """The dataset (ComfyUI then runs LoadKontextDataset) is asked for only once what the
+        settings and the MODEL decide has passed: a run they refuse encodes nothing."""
+        if dataset is not None:
+            return []
+        prepared = cls.prepare_run(lora_name, overwrite, resume_from, start_from_lora, settings)
+        prepared.check_model_alone(model)
+        EARLY_FAMILIES[model] = prepared.run.family
+        return ["dataset"]
+
+    @classmethod
+    def prepare_run(cls, lora_name, overwrite, resume_from, start_from_lora, settings: dict):
+        """The run's request, checked as far as its files go (`run_service.prepare`)."""
+        stem = lora_stem(lora_name)
+        node = str(cls.hidden.unique_id)
+        check_name_unique_in_prompt(cls.hidden.prompt, node, stem)
+        config = TrainConfig(**settings)
+        resume = resolve_resume(resume_from)
+        start = resolve_start(start_from_lora) if resume is None else None
+        model_file = model_file_of(cls.hidden.prompt, node)
+        encoder_files = encoder_files_of(cls.hidden.prompt, node)
+        request = RunRequest(
+            lora_name, config, overwrite, resume, start, model_file=model_file, encoder_files=encoder_files
+        )
+        return prepare(request)
+
+    @classmethod
     def execute(
         cls,
         model,
@@ -248,12 +320,9 @@ class TrainLoRA(io.ComfyNode):
 
         stem = lora_stem(lora_name)
         node = str(cls.hidden.unique_id)
-        check_name_unique_in_prompt(cls.hidden.prompt, node, stem)
-        config = TrainConfig(**settings)
-        resume = resolve_resume(resume_from)
-        start = resolve_start(start_from_lora) if resume is None else None
-        model_file = model_file_of(cls.hidden.prompt, node)
-        prepared = prepare(RunRequest(lora_name, config, overwrite, resume, start, model_file=model_file))
+        prepared = cls.prepare_run(lora_name, overwrite, resume_from, start_from_lora, settings)
+        prepared.run.family = EARLY_FAMILIES.pop(model, None)
+        config = prepared.config
         prepared.check_fit(model, dataset)
         prepared.check_preview(preview)
         bar = comfy.utils.ProgressBar(config.steps)

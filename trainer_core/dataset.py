@@ -19,7 +19,7 @@ from .buckets import assign_buckets
 from .dataset_files import DatasetScan, read_caption
 from .encode_cache import IMAGE_RULE_VERSION, EncodeCache, cache_key, file_digest
 from .flow_step import EmptyText, Sample
-from .image_files import WHITE, read_image, upright_size
+from .image_files import WHITE, read_image, unreadable, upright_size
 from .sizing import check_side_cap, fit_to_area, resize_exact
 
 
@@ -85,6 +85,9 @@ class KontextDataset:
     encoded_texts: int = 0
     text_tokens: int = 0  # the longest encoded caption's context length (the VRAM estimate's)
     source: str = ""  # the dataset folder it was built from
+    # the fingerprints of the VAE and the text encoder that encoded it (`Encoders`): a checkpoint
+    # records them (`trained_on`)
+    encoder_identities: tuple[str, str] = ("", "")
 
     @property
     def reference_count(self) -> int:
@@ -138,9 +141,28 @@ class KontextDataset:
 
 
 def _image_key(path, size, settings, encoders) -> str:
-    return cache_key(
-        IMAGE_RULE_VERSION, file_digest(path), size, settings.background, encoders.image_identity
-    )
+    return cache_key(IMAGE_RULE_VERSION, _digest(path), size, settings.background, encoders.image_identity)
+
+
+def _digest(path) -> str:
+    """The file's digest (part of its cache keys); a file gone or unreadable since the dataset's
+    scan named in the pack's line, as reading it would be."""
+    try:
+        return file_digest(path)
+    except OSError as error:
+        raise unreadable(path, error) from None
+
+
+def check_hold_out(hold_out: int, samples: int) -> None:
+    """At least one of the dataset's `samples` is left to train on, or the line naming hold_out
+    and the fix (known from the files: the command line checks it before ComfyUI boots)."""
+    if hold_out < 0:
+        raise ValueError(f"hold_out: {hold_out} is below 0; set hold_out to 0 or more")
+    if hold_out >= samples:
+        raise ValueError(
+            f"hold_out: {hold_out} leaves none of the dataset's {samples} sample(s) to train on; set "
+            f"hold_out to at most {samples - 1}, or add samples"
+        )
 
 
 def _planned_size(path, resolution: int) -> tuple[int, int]:
@@ -156,11 +178,7 @@ def build_dataset(
     settings: DatasetSettings,
     progress: Callable[[int, int], None] | None = None,
 ) -> KontextDataset:
-    if not 0 <= settings.hold_out < len(scan.samples):
-        raise ValueError(
-            f"hold_out is {settings.hold_out} but the dataset has {len(scan.samples)} sample(s); "
-            "at least one must remain for training"
-        )
+    check_hold_out(settings.hold_out, len(scan.samples))
     captions = [read_caption(s.caption) for s in scan.samples]
     if encoders.encode_sample is None:
         total = sum(1 + len(s.references) for s in scan.samples) + len(set(captions)) + 1
@@ -205,7 +223,7 @@ def build_dataset(
         (ComfyUI's version included), and the caption and text encoder (texts) or the VAE
         (references)."""
         files_key = [IMAGE_RULE_VERSION, settings.background, encoders.sample_identity]
-        files_key += [file_digest(path) for path in files.references]
+        files_key += [_digest(path) for path in files.references]
         text_key, empty_key = (
             cache_key("sample text", c, files_key, encoders.text_identity) for c in (caption, "")
         )
@@ -293,4 +311,5 @@ def build_dataset(
         encoded["texts"],
         max(cache.shape("text", key, "context")[-2] for key in [*text_keys.values(), empty_key]),
         str(scan.root),
+        (encoders.image_identity, encoders.text_identity),
     )

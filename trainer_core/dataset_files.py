@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .atomic import special_kind
-from .image_files import IMAGE_EXTENSIONS, FileProblem, read_image, too_large_message, upright_size
+from .image_files import IMAGE_EXTENSIONS, FileProblem, gone, read_image, too_large_message, upright_size
 from .sizing import MAX_SIDE
 
 CONTROL_NAME = re.compile(r"^(?P<stem>.+)_control(?:_(?P<slot>\d+))?$")
@@ -226,6 +226,8 @@ def read_caption(path: Path | None) -> str:
         return text
     except UnicodeDecodeError:
         raise FileProblem(f"{path}: the caption is not UTF-8 text; save it as UTF-8") from None
+    except FileNotFoundError:
+        raise gone(path) from None
     except OSError as error:
         raise FileProblem(
             f"{path}: the caption cannot be read ({error.strerror or error}); check that ComfyUI may "

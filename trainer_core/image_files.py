@@ -52,13 +52,29 @@ def _named_problems(path: Path) -> Iterator[None]:
         raise FileProblem(_too_large(path, error)) from None
     except OSError as error:
         if error.errno is not None:  # from the operating system (permissions, gone), not a decoder
-            raise FileProblem(
-                f"{path}: cannot be read ({error.strerror}); check that the file exists and that "
-                "ComfyUI may read it, or remove it"
-            ) from None
+            raise unreadable(path, error) from None
         raise FileProblem(f"{path}: the image is truncated or corrupt ({error}); export it again") from None
     except (SyntaxError, ValueError) as error:
         raise FileProblem(f"{path}: the image is truncated or corrupt ({error}); export it again") from None
+
+
+def gone(path: Path) -> FileProblem:
+    """A dataset file that was there when the folder was checked and is not any more (deleted or
+    moved while the dataset encoded, or while the command line loaded its models)."""
+    return FileProblem(
+        f"{path} is gone: it was moved or deleted after the dataset was checked. Put it back, or take "
+        "its sample out of the dataset, and run again"
+    )
+
+
+def unreadable(path: Path, error: OSError) -> FileProblem:
+    """The operating system's refusal to read `path` (`error`) as the pack's line naming it."""
+    if isinstance(error, FileNotFoundError):
+        return gone(path)
+    return FileProblem(
+        f"{path}: cannot be read ({error.strerror or error}); check that the file exists and that "
+        "ComfyUI may read it, or remove it"
+    )
 
 
 def _too_large(path: Path, error: Exception) -> str:

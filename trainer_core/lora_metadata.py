@@ -80,6 +80,12 @@ class RunFacts:
     processes: int = 1  # data-parallel processes (ss_total_batch_size counts them)
     mixed_precision: str = "no"  # the compute dtype as sd-scripts names it: "bf16", "fp16", "no"
     model_file: ModelFile | None = None  # the base model's file (its name and hashes), if known
+    # the settings the model does not read (its family's `ignored_settings`): left out of the
+    # ss_* keys (ss_guidance_scale) and listed in kontext_trainer.ignored
+    ignored: tuple[str, ...] = ()
+    # what the run trained on (`trained_on.TrainedOn.record`: the model entry, the base, VAE and
+    # text encoder files and fingerprints, the base files of the steps before a resume on another)
+    trained_on: dict | None = None
 
 
 class ModelFile:
@@ -183,7 +189,8 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "ss_ip_noise_gamma": str(config.ip_noise_gamma),
         "ss_fp8_base": str(config.fp8_mode == "fp8_scaled" or fp8_base(facts.base_weights)),
         "ss_model_type": family.model_type,
-        "ss_guidance_scale": str(config.guidance),
+        # a model without a guidance embedding read none: no value (tools parse it as a number)
+        **({} if "guidance" in facts.ignored else {"ss_guidance_scale": str(config.guidance)}),
         "ss_timestep_sampling": str(config.timestep_sampler),
         "ss_sigmoid_scale": str(config.sigmoid_scale),
         "ss_discrete_flow_shift": str(config.shift),
@@ -220,6 +227,10 @@ def training_metadata(config: TrainConfig, facts: RunFacts, steps: int) -> dict[
         "base_weights": facts.base_weights or {},
         "config": asdict(config),
     }
+    if facts.trained_on is not None:
+        ours["trained_on"] = facts.trained_on
+    if facts.ignored:  # the config above still holds what was given
+        ours["ignored"] = list(facts.ignored)
     ours_text = {
         f"kontext_trainer.{key}": str(value) if isinstance(value, str) else json.dumps(value)
         for key, value in ours.items()

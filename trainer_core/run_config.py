@@ -99,7 +99,7 @@ class ComfyUISection:
     base_directory: str = knob(".")
     # ComfyUI's own command-line flags, as main.py takes them (the command line reads them before
     # ComfyUI boots: application/cli.py); `-- FLAGS` after the command adds more
-    flags: list[str] = field(default_factory=list)
+    flags: list[str] = field(default_factory=list, metadata={"example": ["--cpu"]})
 
 
 @dataclass(kw_only=True)
@@ -249,8 +249,8 @@ KINDS = {bool: "true or false", int: "a whole number", float: "a number", str: '
 def _wrong_type(section: str, config_field: dataclasses.Field, hint, value) -> str:
     if isinstance(hint, type) and issubclass(hint, Choice):
         hint = str
-    name, kind = config_field.name, KINDS.get(hint, 'a list of text, e.g. ["a.safetensors"]')
-    example = config_field.metadata["example"] if _required(config_field) else config_field.default
+    name, kind = config_field.name, KINDS.get(hint, "a list of text")
+    example = config_field.metadata.get("example", config_field.default)  # the shown fix
     if isinstance(value, str) and hint is not str and "\n" not in value:  # a number in quotes?
         try:
             unquoted = _convert(hint, tomllib.loads(f"v = {value}")["v"])
@@ -265,9 +265,11 @@ def _wrong_type(section: str, config_field: dataclasses.Field, hint, value) -> s
 
 
 def _shown(value) -> str:
+    if isinstance(value, dict):
+        return "a table"
     try:
         return toml_value(value)
-    except TypeError:  # a table, a date...
+    except TypeError:  # a date...
         return repr(value)
 
 

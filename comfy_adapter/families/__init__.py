@@ -175,6 +175,12 @@ class ModelFamily:
     def check_config(self, config) -> None:
         """Raise ValueError naming the fix for a setting the family cannot train with."""
 
+    def ignored_settings(self, diffusion_model) -> dict[str, str]:
+        """The training settings (`TrainConfig` fields) the model does not read, each with why
+        ("FLUX.2 [klein] 4B has no guidance embedding"): a run told of one set away from its
+        default, and the LoRA's metadata records them as ignored (none by default)."""
+        return {}
+
     def check_model_file(self, path, diffusion_model) -> None:
         """Raise ValueError naming the fix where the MODEL's file (`path`, a safetensors file the
         graph or the run file names) says more than this ComfyUI read from it (none by default)."""

@@ -347,7 +347,12 @@ def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_
 ):
     """Issue 32: guidance (or the timestep sampling, the optimizer's knobs, fp8_mode, how the
     base is held) changed on a resume was accepted silently. The learning rate is accepted on
-    purpose, and the command says so."""
+    purpose, and the command says so. Issue 62: a resume on another base model file (another
+    seed) says so too, and one on another model entry is refused before the dataset encodes,
+    naming both (c1ab39f resumed the first silently and refused the second for its layout)."""
+    from kt_testing.headless_tiny import MODEL_SEED_ENV, TINY_MODELS_ENV
+    from kt_testing.paths import comfyui_root
+
     (final,) = [c for c in checkpoints(files.base, "full") if c.name == f"step_{STEPS:06d}"]
     config = write_config(
         files.root / "changed.toml",
@@ -362,9 +367,16 @@ def test_a_resume_with_changed_settings_names_them_and_says_the_continuation_is_
             "learning_rate": TRAIN.get("learning_rate", 1e-4) / 2,
         },
     )
-    result = run(command(config))
+    if "def klein_te" in (comfyui_root() / "comfy/text_encoders/flux.py").read_text():  # 0.33 and newer
+        refused = run(command(config), env={TINY_MODELS_ENV: "klein"})
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert "the checkpoint trained a FLUX.1 LoRA" in refused.stderr, refused.stderr
+        assert "this MODEL is FLUX.2 [klein] 4B" in refused.stderr
+        assert "images and captions ready" not in refused.stdout, refused.stdout  # before the dataset
+    result = run(command(config), env={MODEL_SEED_ENV: "4"})
     assert result.returncode == 0, result.stdout + result.stderr
     said = result.stdout + result.stderr
+    assert f"resumed from step {STEPS} on another base model file: the checkpoint was trained on" in said
     assert f"resumed from step {STEPS} with changed settings: learning_rate " in said, said
     assert "(accepted on purpose), guidance 1.0 -> 3.5" in said
     assert "no longer exactly the uninterrupted run's" in said

@@ -26,6 +26,7 @@ RESETS_MARK = "kt test: ComfyUI's cast buffers reset"  # printed at exit with th
 # "qwen_image": the tiny Qwen-Image-Edit 2509 (seed 3), the narrow Wan 2.1 VAE (seed 1) and the
 # tiny Qwen2.5-VL (seed 2), as the e2e tests' tiny file and stand-ins hold them
 TINY_MODELS_ENV = "KT_TEST_TINY_MODELS"
+MODEL_SEED_ENV = "KT_TEST_MODEL_SEED"  # another seed for the diffusion model (3 by default)
 
 
 def load_tiny_models(files):
@@ -38,18 +39,19 @@ def load_tiny_models(files):
     from kt_testing.dynamic_vram import DYNAMIC_VRAM_ENV, emulate
     from kt_testing.tiny_models import small_flux_vae, tiny_clip, tiny_flux_patcher
 
+    seed = int(os.environ.get(MODEL_SEED_ENV, "3"))
     if os.environ.get(TINY_MODELS_ENV) == "klein":
         from kt_testing.klein import klein_patcher, qwen3_clip
         from kt_testing.tiny_models import small_flux2_vae
 
-        models = klein_patcher(seed=3), small_flux2_vae(seed=1), qwen3_clip(seed=2)
+        models = klein_patcher(seed=seed), small_flux2_vae(seed=1), qwen3_clip(seed=2)
     elif os.environ.get(TINY_MODELS_ENV) == "qwen_image":
         from kt_testing.qwen_image import small_wan_vae, tiny_qwen_image_clip
         from kt_testing.tiny_models import tiny_qwen_image_patcher
 
-        models = tiny_qwen_image_patcher(seed=3), small_wan_vae(seed=1), tiny_qwen_image_clip(seed=2)
+        models = tiny_qwen_image_patcher(seed=seed), small_wan_vae(seed=1), tiny_qwen_image_clip(seed=2)
     else:
-        models = tiny_flux_patcher(seed=3), small_flux_vae(seed=1), tiny_clip(seed=2)
+        models = tiny_flux_patcher(seed=seed), small_flux_vae(seed=1), tiny_clip(seed=2)
     if os.environ.get(DYNAMIC_VRAM_ENV) == "1":  # after the builds: each stays a plain patcher
         import atexit
 

@@ -83,6 +83,10 @@ def test_a_checkpoint_of_70adb75_resumes_to_its_uninterrupted_end(tmp_path):
     assert Path(resumed["config"].pop("resumed_from")) == old
     assert resumed["config"].pop("held_out")  # recorded since 70adb75 (which samples are held out)
     assert resumed["config"].pop("base")["plain"]  # recorded since too (how the base is held)
+    # and since issue 62 what it trained on; the old one's base cannot be checked, and it says so
+    assert resumed["config"].pop("trained_on")["model"] == "FLUX.1"
+    said = result.stdout + result.stderr
+    assert "resumed from step 2 of a checkpoint written before checkpoints recorded their base model" in said
     assert resumed["config"] == expected["config"]
     got, want = (
         load_file(str(final / "lora.safetensors")),

@@ -101,7 +101,7 @@ def test_hold_out_is_seeded_and_bounded(folder, tmp_path):
     assert len(dataset.entries) == 2 and len(dataset.held_out) == 1
     again = build(folder, tmp_path / "cache", CountingEncoders(), resolution=64, hold_out=1, seed=3)
     assert [e.name for e in again.held_out] == [e.name for e in dataset.held_out]
-    with pytest.raises(ValueError, match="hold_out is 3 but the dataset has 3 sample"):
+    with pytest.raises(ValueError, match=r"^hold_out: 3 leaves none of the dataset's 3 sample\(s\) to train"):
         build(folder, tmp_path / "cache", CountingEncoders(), resolution=64, hold_out=3)
 
 

@@ -243,6 +243,13 @@ class FluxFamily(ModelFamily):
         rest = tokens.shape[1] - packed.shape[1]
         return torch.cat([packed, packed.new_zeros(packed.shape[0], rest, packed.shape[2])], dim=1)
 
+    def ignored_settings(self, diffusion_model) -> dict[str, str]:
+        """guidance, where the model has no guidance embedder (FLUX.2 [klein], FLUX.1 [schnell]):
+        `predict` hands it none. FLUX.1 dev, Kontext and FLUX.2 [dev] are guidance-distilled."""
+        if diffusion_model.params.guidance_embed:
+            return {}
+        return {"guidance": f"{self.title} has no guidance embedding (it is not guidance-distilled)"}
+
     def file_notes(self, config) -> list[str]:
         if self.image_model == "flux2" and config.targets == "all_linear":
             return [

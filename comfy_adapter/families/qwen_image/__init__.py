@@ -147,6 +147,11 @@ class QwenImageFamily(ModelFamily):
                 "reference_dropout to 0"
             )
 
+    def ignored_settings(self, diffusion_model) -> dict[str, str]:
+        """Qwen-Image has no guidance embedding: ComfyUI's forward takes none (it samples with
+        true CFG)."""
+        return {"guidance": f"{self.title} has no guidance embedding (it samples with true CFG)"}
+
     def check_preview(self, preview) -> None:
         """True CFG needs the negative sampling uses: its text holds the reference images, so
         the pack cannot make one from the positive (a zeroed text is no empty prompt)."""
