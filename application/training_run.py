@@ -192,9 +192,10 @@ class TrainingRun:
         seeded = seed_lora(run.start_from, self.model, config, self.family) if run.start_from else None
         self.initial = resume.lora if resume else seeded
         self.base = base_record(self.model)  # as loaded (before fp8_mode converts anything)
+        self.ignored = tuple(self.family.ignored_settings(diffusion_module(self.model)))
         # what a resume changes first (shown first, and again with the run's last message)
         self.resume_notes = run.resume_notes + (
-            continuation_notes(resume.config, resume.step, config, self.base) if resume else []
+            continuation_notes(resume.config, resume.step, config, self.base, self.ignored) if resume else []
         )
         self.notes = list(self.resume_notes)
         self.notes += self.family.file_notes(config) + run.notes
@@ -245,7 +246,7 @@ class TrainingRun:
             processes=run.world_size,
             mixed_precision=mixed_precision(model),
             model_file=ModelFile(run.model_file) if run.model_file is not None and self.writes else None,
-            ignored=tuple(family.ignored_settings(diffusion_module(model))),
+            ignored=self.ignored,
             trained_on=trained,
         )
         self.checkpoints = CheckpointWriter(

@@ -4,6 +4,7 @@ resume that could not continue it exactly."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 
 from .choices import plain
 from .config import TrainConfig
@@ -113,15 +114,20 @@ def check_resume(
         )
 
 
-def continuation_notes(saved: dict, step: int, config: TrainConfig, base: dict | None = None) -> list[str]:
+def continuation_notes(
+    saved: dict, step: int, config: TrainConfig, base: dict | None = None, ignored: Collection[str] = ()
+) -> list[str]:
     """What a resume from `step` of the run recorded as `saved` (a checkpoint's state.json
     "config") changes: one line naming each changed setting (RESUME_REPORTS, and the `base`
     record of how the base weights are held, when both runs recorded it) and saying that the
     continuation is no longer the uninterrupted run's, then the schedule's note; [] when it
-    continues exactly."""
+    continues exactly. `ignored`: settings the model does not read (klein's guidance): their
+    change changes nothing."""
     current = {f.name: plain(getattr(config, f.name)) for f in dataclasses.fields(config)}
     changed = []
     for name in RESUME_REPORTS:
+        if name in ignored:
+            continue
         before = saved.get(name, _DEFAULTS[name])
         before = plain(before)
         if before != current[name]:

@@ -154,6 +154,9 @@ def test_a_resume_names_each_changed_setting_and_says_the_continuation_is_not_ex
         assert ("accepted on purpose" in note) == (name == "learning_rate")
     both = continuation_notes(saved, 2, dataclasses.replace(same, guidance=3.5, learning_rate=5e-5))
     assert "learning_rate 0.0001 -> 5e-05 (accepted on purpose), guidance 1.0 -> 3.5" in both[0]
+    # a setting the model does not read (klein's guidance) changes nothing: not reported
+    klein = continuation_notes(saved, 2, dataclasses.replace(same, guidance=3.5), ignored=("guidance",))
+    assert klein == []
     fp8 = {"quantized": {"float8_e4m3fn": 8}, "plain": {}, "dynamic_vram": True}
     (note,) = continuation_notes(saved, 2, same, fp8)
     assert "base weights [bfloat16 x8] -> [quantized float8_e4m3fn x8; dynamic VRAM]" in note
