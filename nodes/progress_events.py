@@ -28,3 +28,17 @@ PAYLOAD_FIELDS = (
     "resume_next",  # keep_last pruned the checkpoint the run resumed from: resume_from's new choice
 )
 MIN_INTERVAL_SECONDS = 0.25  # at most four progress events a second
+
+
+def as_the_user_knows(text: str) -> str:
+    """`text` with every path inside ComfyUI's base directory written from there
+    (`models/loras/x.safetensors`, `output/kontext_trainer_checkpoints/...`), as a user knows
+    their ComfyUI's folders; paths elsewhere (an extra models folder) stay whole."""
+    import os
+
+    import folder_paths
+
+    base = os.path.realpath(folder_paths.base_path)
+    for root in dict.fromkeys((folder_paths.base_path, base)):  # as given, and resolved
+        text = text.replace(os.path.join(root, ""), "")
+    return text

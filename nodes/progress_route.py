@@ -10,6 +10,7 @@ million losses again and again."""
 from __future__ import annotations
 
 from ..trainer_core.job import MANAGER
+from .progress_events import as_the_user_knows
 
 ROUTE = "/kontext_trainer/progress"
 
@@ -20,7 +21,8 @@ def progress_state(since: int = 0) -> dict:
         return {"status": "idle"}
     state = job.state()
     since = min(max(since, 0), len(state["losses"]))
-    return {**state, "losses": state["losses"][since:], "losses_from": since}
+    message = as_the_user_knows(state.get("message") or "")  # as the events show it
+    return {**state, "message": message, "losses": state["losses"][since:], "losses_from": since}
 
 
 def parse_since(value: str | None) -> int:

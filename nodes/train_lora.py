@@ -36,7 +36,7 @@ from ..trainer_core.names import lora_stem
 from ..trainer_core.run_config import TrainerOptions
 from .load_kontext_dataset import Dataset
 from .preview_sampler import Preview
-from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT
+from .progress_events import MIN_INTERVAL_SECONDS, PROGRESS_EVENT, as_the_user_knows
 from .widgets import widgets
 
 LOGGER = logging.getLogger("kontext_trainer")
@@ -194,7 +194,9 @@ class EventSender:
         if progress == self._last or (not changed_status and now - self._sent_at < MIN_INTERVAL_SECONDS):
             return False
         self._last, self._sent_at = progress, now
-        server.send_sync(PROGRESS_EVENT, {**self.base, **dataclasses.asdict(progress)})
+        payload = {**self.base, **dataclasses.asdict(progress)}
+        payload["message"] = as_the_user_knows(payload["message"])  # models/loras/..., not /home/...
+        server.send_sync(PROGRESS_EVENT, payload)
         return True
 
 
@@ -209,7 +211,7 @@ DISPLAY_NAME = "LoRA Trainer (Kontext Trainer)"
 class TrainLoRA(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        schema = io.Schema(
             node_id=node_id("TrainLoRA"),
             display_name=DISPLAY_NAME,
             category="Kontext Trainer",
@@ -258,6 +260,9 @@ class TrainLoRA(io.ComfyNode):
                 ),
             ],
         )
+        # the node search matches these too on ComfyUI 0.33+ (0.3.75's Schema has no such field)
+        schema.search_aliases = ["train lora", "image edit lora", "qwen image edit", "flux", "finetune"]
+        return schema
 
     @classmethod
     def fingerprint_inputs(cls, lora_name=None, **_):

@@ -95,6 +95,11 @@ def recorded(page) -> list[dict]:
     )
 
 
+def prompt_inputs(entry) -> dict:
+    """Each node's inputs in a /history entry's prompt (its third item)."""
+    return {node: spec["inputs"] for node, spec in entry["prompt"][2].items()}
+
+
 def in_order(values, expected):
     remaining = iter(values)
     return all(any(v == e for v in remaining) for e in expected)
@@ -167,6 +172,29 @@ def test_two_runs_in_a_row_restart_the_chart_and_keep_the_previews(comfy_page, s
     comfy_page.screenshot(path=str(ARTIFACTS / "training_panel_preview_large.png"))
     comfy_page.keyboard.press("Escape")
     comfy_page.locator(".kt-preview-large").wait_for(state="detached", timeout=10_000)
+
+    # Run again with nothing changed (issue 64): ComfyUI answers from its cache and the panel
+    # says so, keeping the last run's chart (on c1ab39f it showed the old run without a word).
+    # The test nodes' seeds back as the last run had them, and fixed: the frontend "randomizes"
+    # a widget named seed after each Run, where a user's loaders have none
+    seeds = {node: inputs["seed"] for node, inputs in prompt_inputs(entry).items() if "seed" in inputs}
+    comfy_page.evaluate(
+        """(seeds) => {
+            for (const node of window.comfyAPI.app.app.graph.nodes) for (const w of node.widgets ?? []) {
+                if (w.name === 'control_after_generate') w.value = 'fixed';
+                if (w.name === 'seed' && String(node.id) in seeds) w.value = seeds[String(node.id)];
+            } }""",
+        seeds,
+    )
+    comfy_page.evaluate("async () => { await window.comfyAPI.app.app.queuePrompt(0, 1); }")
+    comfy_page.wait_for_function("() => window.KontextTrainer.runShown('5')?.cachedNote", timeout=60_000)
+    panel = comfy_page.evaluate(PANEL, "5")
+    assert (
+        "nothing changed since the last run: the LoRA is models/loras/kt_panel_run.safetensors"
+        in (panel["text"])
+    ), panel["text"]
+    assert comfy_page.evaluate("() => window.KontextTrainer.runShown('5')").get("promptId") == second
+    assert "saved models/loras/kt_panel_run.safetensors" in panel["text"]  # the path as the user knows it
     assert not comfy_page.ui_problems()
 
 
@@ -280,8 +308,10 @@ def test_smoothing_matches_python_and_a_million_steps_draw_fast(comfy_page, serv
     # column of the panel's canvases (the envelope's top and bottom, the smoothed line: 2520
     # for 864 px, measured), where drawing every point has two per loss (2,000,000, measured
     # with the break above; the assertion fails).
-    print(f"\nredraw of 1,000,000 losses: {timing['ms']:.0f} ms, {timing['lines']} lineTo calls, "
-          f"{timing['pixels']} px of canvas")
+    print(
+        f"\nredraw of 1,000,000 losses: {timing['ms']:.0f} ms, {timing['lines']} lineTo calls, "
+        f"{timing['pixels']} px of canvas"
+    )
     assert 0 < timing["lines"] <= 4 * timing["pixels"], timing
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     comfy_page.locator(".kt-training-panel").first.screenshot(path=str(ARTIFACTS / "training_panel_long.png"))

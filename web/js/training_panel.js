@@ -63,8 +63,28 @@ function texts(run) {
           (p.validation_loss != null ? ` · validation ${p.validation_loss.toFixed(4)}` : "")
         : "",
     speed,
-    message: p?.message ?? "",
+    message: [run?.cachedNote, p?.message].filter(Boolean).join("\n"),
   };
+}
+
+// What the panel says when ComfyUI ran TrainLoRA from its cache (Run with nothing changed).
+function cachedNote(node, run) {
+  const widget = node.widgets?.find((w) => w.name === "lora_name")?.value;
+  const name = run?.progress?.lora_name || (widget ? `${widget}.safetensors` : "");
+  const where = name ? `: the LoRA is models/loras/${name}` : "";
+  return `nothing changed since the last run${where} (change a setting or the dataset to train again)`;
+}
+
+// ComfyUI's cache answered the prompt: the TrainLoRA nodes it lists did not run.
+function onCached(detail) {
+  const cached = new Set((detail?.nodes ?? []).map(String));
+  for (const node of trainNodes()) {
+    if (!cached.has(String(node.id))) continue;
+    const before = runShown(node.id);
+    const shown = before && !before.queued ? before : null;
+    store.applyCached(detail.prompt_id, node.id, shownWorkflowId(), cachedNote(node, shown));
+    render(node);
+  }
 }
 
 function render(node) {
@@ -238,6 +258,7 @@ app.registerExtension({
     api.addEventListener(PROGRESS_EVENT, ({ detail }) => onProgress(detail));
     api.addEventListener("status", () => followQueue().catch(() => {}));
     api.addEventListener("execution_start", () => followQueue().catch(() => {}));
+    api.addEventListener("execution_cached", ({ detail }) => onCached(detail));
     api.addEventListener("execution_error", ({ detail }) => {
       const run = store.applyError(detail.prompt_id, detail.node_id, detail.exception_message);
       if (run) renderNode(run.node);

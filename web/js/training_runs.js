@@ -21,6 +21,7 @@ export class RunStore {
   constructor() {
     this.runs = new Map(); // key (prompt id and node) -> run, in the order first seen
     this.started = 0; // counts runs as they start: the latest started run has the highest
+    this.fromCache = new Set(); // keys of runs ComfyUI answered from its cache (never queued again)
   }
 
   static key(promptId, node) {
@@ -35,6 +36,7 @@ export class RunStore {
   addQueued(promptId, node, workflowId, loraName) {
     const key = RunStore.key(promptId, String(node));
     if (this.runs.has(key)) return this.runs.get(key);
+    if (this.fromCache.has(key)) return null; // it did not run: the shown run carries the note
     const run = {
       promptId,
       node: String(node),
@@ -96,6 +98,27 @@ export class RunStore {
     return run;
   }
 
+  // ComfyUI ran the prompt from its cache: TrainLoRA `node` had nothing new to train (same
+  // settings, dataset and model since its last run, whose LoRA is still there). The queued run
+  // goes and the run shown before keeps its chart, with `note` on top of its message; with no
+  // run shown before (a page opened after it), a finished entry carries the note alone.
+  applyCached(promptId, node, workflowId, note) {
+    node = String(node);
+    const key = RunStore.key(promptId, node);
+    const queued = this.get(promptId, node);
+    if (queued?.queued) this.runs.delete(key);
+    let run = this.runFor(node, workflowId);
+    if (!run || run.queued) {
+      run = this.addQueued(promptId, node, workflowId, queued?.progress.lora_name);
+      this.start(run);
+      run.status = "finished";
+      run.progress = { ...run.progress, status: "finished", message: "" };
+    }
+    run.cachedNote = note;
+    this.fromCache.add(key); // a /queue answer older than this may still list it: not queued again
+    return run;
+  }
+
   // Losses from the route, `from` being the index of the first one.
   setLosses(run, from, losses) {
     if (from > run.losses.length) return;
@@ -106,6 +129,7 @@ export class RunStore {
 
   start(run) {
     run.queued = false;
+    run.cachedNote = "";
     run.order = ++this.started;
     // an earlier run of this node in this workflow can never be shown again: free its losses
     for (const [key, other] of this.runs) {
