@@ -3,7 +3,8 @@
 #   make ui     set up, then start ComfyUI with the pack on the demo's files (CPU); prints the
 #               address to open (PORT=8189 make ui for another port)
 #   make test   set up, then lint and run every test layer
-#   make test-quick   set up, then lint, trainer_core and the node layer on ComfyUI 0.3.75 (daily work)
+#   make test-quick   set up, then lint, the layer check, trainer_core, comfy_adapter, nodes and
+#                     families without the slow tests, on ComfyUI 0.3.75 (daily work)
 #   make test-gpu   set up, then the GPU layer (tests/gpu) with ComfyUI booted on CUDA
 .PHONY: setup test test-quick test-gpu demo ui lint
 

@@ -1,7 +1,7 @@
 """Finding the samples of a dataset folder and validating every file before anything is
 encoded. All problems are collected and reported together, each naming the file and the fix.
 
-Two folder structures (see the README):
+Two folder structures (docs/dataset.md):
 
 one folder                          parallel folders
   cat.png         target              images/cat.png      target

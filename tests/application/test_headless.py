@@ -154,14 +154,20 @@ def test_ctrl_c_writes_a_checkpoint_and_resume_is_exact(uninterrupted, files):
         files.base,
         files.dataset,
         files.cache,
-        {"lora_name": "stop", "steps": STEPS, "resume_from": choice.group(1)},
+        # keep_last 1 prunes the checkpoint it resumes from (issue 62: the command said nothing)
+        {"lora_name": "stop", "steps": STEPS, "resume_from": choice.group(1), "keep_last": 1},
     )
     result = run(command(resumed))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert (
-        f"resuming {files.base / 'output' / 'kontext_trainer_checkpoints' / choice.group(1)}" in result.stdout
+    stopped = files.base / "output" / "kontext_trainer_checkpoints" / choice.group(1)
+    assert f"resuming {stopped}" in result.stdout
+    assert not stopped.exists()
+    (final,) = checkpoints(files.base, "stop")
+    said = (
+        f"[kontext-trainer] keep_last pruned the checkpoint resume_from names ({choice.group(1)}); to go "
+        f'on from this run, set resume_from = "{final.relative_to(stopped.parents[2]).as_posix()}" in [train]'
     )
-    final = checkpoints(files.base, "stop")[-1]
+    assert said in result.stdout.splitlines(), result.stdout
     resumed_losses, resumed_lora = final_state(final)
     assert resumed_losses == losses  # exactly: the same process setup, one step boundary apart
     # the average goes on from the earlier losses, as the chart does (it restarted: issue 33)
