@@ -218,7 +218,10 @@ TRAIN_LORA: tuple[Widget, ...] = (
 
 LOAD_KONTEXT_DATASET: tuple[Widget, ...] = (
     Widget(
-        "folder", "A folder of ComfyUI's input directory holding the dataset.", options_from=INPUT_SUBFOLDERS
+        "folder",
+        "A folder of ComfyUI's input directory holding the dataset (name.png, name_control.png, "
+        "name.txt per sample).",
+        options_from=INPUT_SUBFOLDERS,
     ),
     Widget("path", "Or an absolute path to the dataset folder (wins if set)."),
     Widget(

@@ -34,12 +34,15 @@ def dataset_widgets() -> list:
 class LoadKontextDataset(io.ComfyNode):
     @classmethod
     def define_schema(cls) -> io.Schema:
-        return io.Schema(
+        schema = io.Schema(
             node_id=node_id("LoadKontextDataset"),
             display_name="Edit Dataset (Kontext Trainer)",
             category="Kontext Trainer",
-            description="Loads targets, reference images and captions from a folder (two folder "
-            "structures, see the README), validates them, and caches VAE latents and text embeddings.",
+            description="Loads a folder of training samples for TrainLoRA: per sample a target "
+            "(name.png), its references (name_control.png, name_control_1.png, ...; none for text to "
+            "image) and a caption (name.txt), or the same in parallel folders images/, control/, "
+            "control_1/. Checks every file first, then caches VAE latents and text embeddings. The "
+            "node's help page shows both layouts.",
             inputs=[
                 io.Vae.Input("vae", tooltip="The trained model's VAE; latents are cached per image and VAE."),
                 io.Clip.Input(
@@ -52,6 +55,9 @@ class LoadKontextDataset(io.ComfyNode):
                 io.String.Output(display_name="report", tooltip="Samples, buckets, cache use and notices."),
             ],
         )
+        # the node search matches these too on ComfyUI 0.33+ (0.3.75's Schema has no such field)
+        schema.search_aliases = ["lora training dataset", "image edit pairs", "qwen image edit", "flux"]
+        return schema
 
     @classmethod
     def fingerprint_inputs(cls, folder, path, **kwargs):

@@ -14,7 +14,7 @@ import torch
 from comfy_api.latest import io
 
 from ..application.node_ids import node_id
-from ..comfy_adapter.families import layouts_by_family, trained_models
+from ..comfy_adapter.families import layouts_by_family
 from ..comfy_adapter.model_family import check_layout_fits, family_of
 from ..comfy_adapter.model_view import diffusion_module
 from ..trainer_core.choices import Layout, choose
@@ -79,16 +79,21 @@ class MultiImageConditioning(io.ComfyNode):
             io.Image.Input(f"image_{i}", optional=True, tooltip=f"Reference image {i} (optional).")
             for i in range(2, MAX_REFERENCES + 1)
         ]
-        return io.Schema(
+        schema = io.Schema(
             node_id=node_id("MultiImageConditioning"),
             display_name="Multi-Image Conditioning (Kontext Trainer)",
             category="Kontext Trainer",
-            description="Adds 1 to 4 reference images to a conditioning, with a chosen position "
-            f"layout, for sampling and for TrainLoRA ({trained_models()}; Kontext, DreamOmni2).",
+            description="Adds 1 to 4 reference images to a prompt's conditioning, with a chosen "
+            "position layout: to sample FLUX.1 Kontext, DreamOmni2, FLUX.2 [dev] and FLUX.2 [klein] "
+            "with references, in a KSampler or as PreviewSampler's prompt while TrainLoRA trains. "
+            "Qwen-Image-Edit does not use it: encode its prompt and references with ComfyUI's "
+            "TextEncodeQwenImageEditPlus instead.",
             inputs=[
                 io.Model.Input(
                     "model",
-                    tooltip=f"The MODEL ({trained_models()}); a clone comes out, the input is untouched.",
+                    tooltip="The MODEL (FLUX.1 Kontext or dev, FLUX.2 [dev] or [klein]; for "
+                    "Qwen-Image-Edit use TextEncodeQwenImageEditPlus instead); a clone comes out, the "
+                    "input is untouched.",
                 ),
                 io.Conditioning.Input(
                     "conditioning", tooltip="The prompt conditioning (e.g. from CLIPTextEncode)."
@@ -122,6 +127,9 @@ class MultiImageConditioning(io.ComfyNode):
                 io.Conditioning.Output(display_name="CONDITIONING"),
             ],
         )
+        # the node search matches these too on ComfyUI 0.33+ (0.3.75's Schema has no such field)
+        schema.search_aliases = ["reference images", "image edit", "multi reference", "flux2", "dreamomni2"]
+        return schema
 
     @classmethod
     def execute(

@@ -27,7 +27,7 @@ class PreviewSampler(io.ComfyNode):
     def define_schema(cls) -> io.Schema:
         import comfy.samplers
 
-        return io.Schema(
+        schema = io.Schema(
             node_id=node_id("PreviewSampler"),
             display_name="Preview Sampler (Kontext Trainer)",
             category="Kontext Trainer",
@@ -53,6 +53,9 @@ class PreviewSampler(io.ComfyNode):
             ],
             outputs=[Preview.Output(display_name="preview")],
         )
+        # the node search matches these too on ComfyUI 0.33+ (0.3.75's Schema has no such field)
+        schema.search_aliases = ["lora preview", "training preview", "qwen image edit", "flux"]
+        return schema
 
     @classmethod
     def execute(cls, positive, vae, negative=None, **widgets) -> io.NodeOutput:

@@ -287,21 +287,33 @@ def search(page, query: str) -> dict:
     return last
 
 
-def test_searching_lora_or_train_shows_the_trainer_and_the_kontext_set(comfy_page, server):
+def test_searching_shows_the_trainer_and_finds_the_packs_nodes(comfy_page, server):
     """Issue 45: "lora" ranked the trainer 14th (1.49.6), below the list's fold; the four display
-    names read as one set, "<what it is> (Kontext Trainer)"."""
+    names read as one set, "<what it is> (Kontext Trainer)". Issue 64: "qwen" found none of the
+    pack's nodes. ComfyUI 0.33's `search_aliases` (searched by 1.49.6; 0.3.75 has none) decide only
+    whether a node matches, not its rank (1.49.6 ranks by the name and the display name): the
+    nodes they add come last, below the fold (measured on 1.49.6: "qwen" the trainer, the preview
+    sampler and the dataset 16th-18th of 19; "edit" the trainer 43rd, Multi-Image Conditioning
+    50th, the preview sampler 57th of 58; "lora" the preview sampler and the dataset 59th and 60th
+    of 64)."""
     open_blank_canvas(comfy_page)
     comfy_page.wait_for_function(f"() => !!({STORE})('nodeFrequency')?.isLoaded", timeout=30_000)
     listed = server.get_json("/object_info")
     names = {key: listed[key]["display_name"] for key in (TRAIN, SAMPLER, DATASET, MIC)}
     assert all(name.endswith(" (Kontext Trainer)") for name in names.values()), names
-    for query, ours in (
-        ("lora", [TRAIN]),
-        ("train", [TRAIN]),
-        ("dataset", [DATASET]),
-        ("kontext", list(names)),
+    aliases = "search_aliases" in listed[TRAIN]  # ComfyUI 0.33+
+    everything, for_qwen = list(names), [TRAIN, SAMPLER, DATASET]  # Multi-Image Conditioning refuses Qwen
+    for query, shown, found in (
+        ("lora", [TRAIN], [TRAIN, SAMPLER, DATASET] if aliases else [TRAIN]),
+        ("train", [TRAIN], everything),  # their node ids: KontextTrainer_...
+        ("dataset", [DATASET], [DATASET]),
+        ("kontext", everything, everything),
+        ("edit", [DATASET], everything if aliases else [DATASET]),
+        ("qwen", [], for_qwen if aliases else []),
     ):
         seen = search(comfy_page, query)
-        for key in ours:
+        for key in shown:
             assert names[key] in seen["titles"][: seen["shown"]], (query, names[key], seen)
+        ours = [key for key, name in names.items() if name in seen["titles"]]
+        assert sorted(ours) == sorted(found), (query, seen)
     assert not comfy_page.ui_problems()
