@@ -1,4 +1,6 @@
-"""Kontext Trainer: train LoRAs for FLUX.1-dev and FLUX.1 Kontext inside the ComfyUI graph.
+"""Kontext Trainer: train LoRAs for image-edit models inside the ComfyUI graph: FLUX.1-dev,
+FLUX.1 Kontext (one or more references, DreamOmni2), FLUX.2 [dev], FLUX.2 [klein] 4B / 9B and
+Qwen-Image-Edit 2509 / 2511.
 
 ComfyUI imports this file as a package and calls `comfy_entrypoint` (the V3 extension API).
 The import guard below keeps the package importable without ComfyUI, so tools and the
