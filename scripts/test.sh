@@ -104,8 +104,11 @@ VERSION_INDEPENDENT_ON_0375=(tests/application/test_headless_parallel.py tests/a
 # And the two the 0.3.75 e2e run takes over: it ended first, 411 s before 0.33's in-process run
 # and 571 s before the suite (fresh clone on 40fa3f1: 1301, 1696, 1712 and 1872 s); they cost
 # 212 s (0.33 in-process) and 56 s (0.33 e2e) of that run's time.
+# The command's disk-full and mistake files (issue 62: about 45 s) join them: the 0.3.75 e2e run
+# ended 195 s before the suite (fresh clone on c1ab39f), 0.33's in-process run ends it.
 VERSION_INDEPENDENT_ON_0375_E2E=(tests/e2e/test_resume_and_files.py tests/nodes/test_lora_file_diffusers.py
-    tests/nodes/test_old_checkpoint.py)
+    tests/nodes/test_old_checkpoint.py tests/application/test_full_disk_command.py
+    tests/application/test_command_mistakes.py)
 # those outside tests/e2e: added to the 0.3.75 e2e run, left out of the other 0.3.75 run
 MOVED_TO_0375_E2E=()
 for name in "${VERSION_INDEPENDENT_ON_0375_E2E[@]}"; do
