@@ -2,22 +2,25 @@
 start that ComfyUI on the demo's files for a browser (`make ui`).
 
 1. generates (once, cached) the stock-loadable random-weight Flux, its VAE and a CLIP-L
-   (`demo_assets`), and every input the shipped examples name whose models these are
+   (`demo_assets`), and every input the shipped examples name whose models these stand in for
    (`demo_dataset`: the Kontext edit pairs, the FLUX.1-dev and DreamOmni2 datasets, the reference
    images), in `.cache/`;
 2. starts ComfyUI (`main.py --cpu`) with the pack, on a free local port, base directory
    `.cache/demo/`;
 3. queues `example_workflows/api/kontext_lora_training.json` over the HTTP API (stock
-   UNETLoader / VAELoader / CLIPLoader -> LoadKontextDataset -> TrainLoRA, with PreviewSampler
-   previews of the unseen reference `input/kontext_demo_reference.png`) under the demo's own
-   LoRA name (`DEMO_LORA`: the example's stays free) with `overwrite` on, and prints the
-   dataset report and the live progress the websocket carries;
+   UNETLoader / VAELoader / DualCLIPLoader -> LoadKontextDataset -> TrainLoRA, with
+   PreviewSampler previews of the unseen reference `input/kontext_demo_reference.png`) on the
+   demo's files (`demo_assets.on_demo_files`: the example names the real FLUX.1 Kontext files,
+   and its DualCLIPLoader becomes a CLIPLoader of the demo's CLIP-L: a T5-XXL has no small
+   stand-in) under the demo's own LoRA name (`DEMO_LORA`: the example's stays free) with
+   `overwrite` on, and prints the dataset report and the live progress the websocket carries;
 4. prints where the LoRA landed in models/loras, the loss at the start and the end, and the
    held-out validation loss (one of the eight samples is held out) at each point it was
    computed;
-5. queues `example_workflows/api/kontext_lora_inference.json` with that LoRA in its LoraLoader
-   (and the reference it ships with) and prints where its image landed in output/: with random weights and a
-   minute of training that image is coloured noise, not an edited circle; it shows the path runs.
+5. queues `example_workflows/api/kontext_lora_inference.json` on the demo's files in the same
+   way, with that LoRA in its LoraLoader (and the reference it ships with), and prints where its
+   image landed in output/: with random weights and a minute of training that image is coloured
+   noise, not an edited circle; it shows the path runs.
 
 Rerunning reuses the models, the datasets and the encoded-latent cache; training reruns and
 replaces the demo LoRA. Run it with `make demo` (which sets everything up first).
@@ -48,7 +51,7 @@ from comfy_server import (
     comfyui_site,
     make_base_directory,
 )
-from demo_assets import ensure_assets, link_into_models
+from demo_assets import ensure_assets, link_into_models, on_demo_files
 from demo_dataset import KONTEXT_FOLDER, REFERENCE_IMAGE, write_example_inputs
 
 WORKFLOW = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
@@ -140,16 +143,17 @@ def prepare_assets() -> dict:
 
 
 def train(server: ComfyServer, base) -> str | None:
-    """Queue the training example under the demo's own LoRA name with overwrite on (so the demo
-    reruns); returns the LoRA's file name, or None if the run did not succeed."""
-    workflow = json.loads(WORKFLOW.read_text())
+    """Queue the training example on the demo's files under the demo's own LoRA name with
+    overwrite on (so the demo reruns); returns the LoRA's file name, or None if the run did not
+    succeed."""
+    workflow = on_demo_files(json.loads(WORKFLOW.read_text()))
     trainer, report = node_of(workflow, "KontextTrainer_TrainLoRA"), node_of(workflow, "PreviewAny")
     shipped = workflow[trainer]["inputs"]["lora_name"]
     workflow[trainer]["inputs"].update(lora_name=DEMO_LORA, overwrite=True)  # the example: its own, off
     previous = base / "models" / "loras" / f"{DEMO_LORA}.safetensors"
     existed = previous.is_file()
     example = WORKFLOW.relative_to(REPO_ROOT)
-    say(f"queueing {example} as lora_name {DEMO_LORA} (the example's own is {shipped}), overwrite on")
+    say(f"queueing {example} on the demo's files, lora_name {DEMO_LORA} (its own: {shipped}), overwrite on")
     outcome, prompt_id = run(server, workflow)
     if outcome != "execution_success":
         say(f"the training run ended with {outcome}")
@@ -171,13 +175,13 @@ def train(server: ComfyServer, base) -> str | None:
 
 
 def sample(server: ComfyServer, base, lora_name: str) -> bool:
-    """Queue the inference example as shipped but for its LoRA, the demo's `lora_name` in place of
-    the training example's (it loads the reference the demo wrote)."""
-    workflow = json.loads(INFERENCE.read_text())
+    """Queue the inference example on the demo's files, as shipped but for its LoRA, the demo's
+    `lora_name` in place of the training example's (it loads the reference the demo wrote)."""
+    workflow = on_demo_files(json.loads(INFERENCE.read_text()))
     loader = node_of(workflow, "LoraLoaderModelOnly")
     workflow[loader]["inputs"]["lora_name"] = lora_name
     example = INFERENCE.relative_to(REPO_ROOT)
-    say(f"queueing {example} with the demo's LoRA {lora_name} (on {REFERENCE_IMAGE})")
+    say(f"queueing {example} on the demo's files with the demo's LoRA {lora_name} (on {REFERENCE_IMAGE})")
     outcome, prompt_id = run(server, workflow)
     if outcome != "execution_success":
         say(f"the inference run ended with {outcome}")
@@ -216,7 +220,7 @@ def demo() -> int:
         if lora_name is None or not sample(server, base, lora_name):
             return 1
     say(f"done in {time.monotonic() - started:.0f} s; load it with LoraLoaderModelOnly as '{lora_name}'")
-    say("to try the examples in a browser on these files: make ui")
+    say("the examples in a browser: make ui (they load the real model files and offer the missing ones)")
     return 0
 
 

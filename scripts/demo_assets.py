@@ -10,6 +10,9 @@ Writes, once, into a cache folder outside git:
 Then links them into a ComfyUI models/ folder. Run inside a ComfyUI environment
 (ComfyUI's root on sys.path): the weights are shaped by ComfyUI's own classes.
 
+The FLUX.1 examples name the real files users download; `on_demo_files` turns such a graph into
+the one the demo queues on these three files.
+
     python scripts/demo_assets.py --models-dir /path/to/ComfyUI/models
 """
 
@@ -29,6 +32,20 @@ ASSET_VERSION = "v1"
 FLUX_FILE = ("diffusion_models", "kontext-trainer-demo-flux.safetensors")
 VAE_FILE = ("vae", "kontext-trainer-demo-ae.safetensors")
 CLIP_FILE = ("text_encoders", "kontext-trainer-demo-clip-l.safetensors")
+
+# The real FLUX.1 files the examples' loaders name -> the demo's file that stands in for each.
+# The examples' DualCLIPLoader (type flux: clip_l + t5xxl) becomes a CLIPLoader of the demo's
+# CLIP-L alone: ComfyUI builds T5-XXL at its full size from a fixed config whatever the file
+# holds (comfy/text_encoders/t5_config_xxl.json: 4.7 B parameters, about 4.9 GB even in fp8),
+# and its 4096-wide text would need a Flux other than the demo's (text input 768, CLIP-L's).
+DEMO_STAND_INS = {
+    ("UNETLoader", "unet_name"): {
+        "flux1-dev-kontext_fp8_scaled.safetensors": FLUX_FILE[1],
+        "flux1-dev.safetensors": FLUX_FILE[1],
+    },
+    ("VAELoader", "vae_name"): {"ae.safetensors": VAE_FILE[1]},
+}
+FLUX_TEXT_ENCODERS = ("clip_l.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors")
 
 DEMO_FLUX_CONFIG = {
     "image_model": "flux",
@@ -241,6 +258,31 @@ def link_into_models(paths: dict[str, Path], models_dir: Path) -> None:
                 continue
             dest.unlink()
         dest.symlink_to(path.resolve())
+
+
+def on_demo_files(workflow: dict) -> dict:
+    """An API-format FLUX.1 example as the demo runs it (a copy): UNETLoader and VAELoader on the
+    demo's files (`DEMO_STAND_INS`), the DualCLIPLoader of clip_l + t5xxl a CLIPLoader of the
+    demo's CLIP-L under the same node id, so every link stays as shipped. A loader whose file
+    the demo has no stand-in for (FLUX.2, Qwen-Image-Edit) is a ValueError that names it."""
+    swapped = {}
+    for node_id, node in workflow.items():
+        kind, values = node["class_type"], dict(node["inputs"])
+        if kind == "DualCLIPLoader":
+            encoders = {values["clip_name1"], values["clip_name2"]}
+            if values["type"] != "flux" or encoders != set(FLUX_TEXT_ENCODERS):
+                raise ValueError(f"node {node_id}: the demo has no stand-in for DualCLIPLoader {values}")
+            kind = "CLIPLoader"
+            values = {"clip_name": CLIP_FILE[1], "type": "stable_diffusion", "device": values["device"]}
+        elif kind == "CLIPLoader":
+            raise ValueError(f"node {node_id}: the demo has no stand-in for CLIPLoader {values['clip_name']}")
+        for (loader, widget), stand_ins in DEMO_STAND_INS.items():
+            if kind == loader and values[widget] not in stand_ins:
+                raise ValueError(f"node {node_id}: the demo has no stand-in for {loader} {values[widget]}")
+            if kind == loader:
+                values[widget] = stand_ins[values[widget]]
+        swapped[node_id] = {**node, "class_type": kind, "inputs": values}
+    return swapped
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -23,6 +23,19 @@ EXAMPLE = REPO_ROOT / "example_workflows" / "kontext_lora_training.json"
 EXAMPLE_API = REPO_ROOT / "example_workflows" / "api" / "kontext_lora_training.json"
 
 
+def on_demo_files(text: str) -> str:
+    """A run file's [model] with the example's real FLUX.1 files swapped for the demo's (as
+    `demo_assets.on_demo_files` swaps them in a graph: its CLIP-L alone for clip_l + t5xxl)."""
+    model = (
+        '[model]\ndiffusion_model = "kontext-trainer-demo-flux.safetensors"\nweight_dtype = "default"\n'
+        'vae = "kontext-trainer-demo-ae.safetensors"\n'
+        'text_encoders = ["kontext-trainer-demo-clip-l.safetensors"]\nclip_type = "stable_diffusion"\n'
+    )
+    swapped = re.sub(r"(?s)\[model\]\n.*?(?=\nclip_device)", model.rstrip("\n"), text, count=1)
+    assert swapped != text, text
+    return swapped
+
+
 def trainer_core(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "trainer_core", *args],
@@ -60,12 +73,13 @@ def test_example_workflow_to_config_to_workflow(base, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     text = config.read_text()
     assert f"base_directory = {json.dumps(str(base))}" in text
-    assert 'diffusion_model = "kontext-trainer-demo-flux.safetensors"' in text
+    assert 'diffusion_model = "flux1-dev-kontext_fp8_scaled.safetensors"' in text  # the real files
+    assert 'text_encoders = ["clip_l.safetensors", "t5xxl_fp8_e4m3fn_scaled.safetensors"]' in text
     back = tmp_path / "run_api.json"
     result = trainer_core("workflow", "--config", str(config), "-o", str(back))
     assert result.returncode == 0, result.stdout + result.stderr
     written, shipped = json.loads(back.read_text()), json.loads(EXAMPLE_API.read_text())
-    for class_type in ("UNETLoader", "VAELoader", "CLIPLoader", "KontextTrainer_LoadKontextDataset"):
+    for class_type in ("UNETLoader", "VAELoader", "DualCLIPLoader", "KontextTrainer_LoadKontextDataset"):
         (ours,) = [n["inputs"] for n in written.values() if n["class_type"] == class_type]
         (theirs,) = [n["inputs"] for n in shipped.values() if n["class_type"] == class_type]
         assert {k: v for k, v in ours.items() if not isinstance(v, list)} == {
@@ -95,7 +109,7 @@ def test_the_example_trains_headless_with_the_stock_loaders(base, tmp_path):
         "config", "--from-workflow", str(EXAMPLE), "--base-directory", str(user_base), "-o", str(config)
     )
     assert result.returncode == 0, result.stderr
-    text = config.read_text()
+    text = on_demo_files(config.read_text())
     assert "\nflags = []\n" in text
     flags = f'\nflags = ["--extra-model-paths-config", "{paths}"]\n'
     config.write_text(text.replace("\nflags = []\n", flags))
@@ -156,7 +170,7 @@ def test_a_file_that_is_not_a_model_is_named_in_one_line(base, tmp_path):
     assert result.returncode == 0, result.stderr
     notes = tmp_path / "notes.txt"
     notes.write_text("root:x:0:0:root:/root:/bin/bash\n")
-    text = config.read_text().replace(
+    text = on_demo_files(config.read_text()).replace(
         'diffusion_model = "kontext-trainer-demo-flux.safetensors"',
         f"diffusion_model = {json.dumps(str(notes))}",
     )

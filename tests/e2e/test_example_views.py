@@ -1,15 +1,19 @@
 """What a user sees when an example opens (issue 33): a zoom at which the frontend draws node
-text, a note that says what the example does and which files it needs that the demo cannot
-make, and samplers whose seed stays fixed between runs; on a 1920 x 937 page (issue 45), no node
-under the frontend's minimap at the opening view, and no node over another once every
-LoadImage shows its image (a preview grows the node)."""
+text, a note that says what the example does, which model files it loads and, for a training
+example, the three widgets to change for a run of one's own (issue 64: the dataset folder, the
+LoRA's name, the steps), and samplers whose seed stays fixed between runs; on a 1920 x 937 page
+(issue 45), no node under the frontend's minimap at the opening view, and no node over another
+once every LoadImage shows its image (a preview grows the node). The page's server has the
+model files (stand-ins): test_example_downloads.py opens the examples without them."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
+from kt_testing.examples import loaded_models, write_model_stand_ins
 from kt_testing.frontend import TUTORIAL
 from kt_testing.paths import REPO_ROOT
 
@@ -18,14 +22,12 @@ WORKFLOWS = sorted(EXAMPLES.glob("*.json"))
 # LiteGraph draws nodes without text below this zoom (low_quality; 1.49's MinFontSizeForLOD of
 # 8 px on 14 px text is 0.57)
 TEXT_ZOOM = 0.6
-# The stock loaders' file widgets, by node type
-MODEL_WIDGETS = {
-    "UNETLoader": ["unet_name"],
-    "VAELoader": ["vae_name"],
-    "CLIPLoader": ["clip_name"],
-    "DualCLIPLoader": ["clip_name1", "clip_name2"],
-    "LoraLoaderModelOnly": ["lora_name"],
-}
+# A training example's note: what to change, one numbered line each (issue 64 item 1)
+TRAINING_CHANGES = (
+    r"^1\. Edit Dataset folder: ",
+    r"^2\. LoRA Trainer lora_name: ",
+    r"^3\. LoRA Trainer steps: ",
+)
 OPEN_JS = """async ([workflow, name]) => {
     const app = window.comfyAPI.app.app;
     await app.loadGraphData(workflow, true, true, name);
@@ -93,12 +95,6 @@ def user_images(inputs) -> None:
             Image.new("RGB", (64, 64), (200, 100, 50)).save(inputs / image)
 
 
-def demo_makes(name: str) -> bool:
-    """The model files `make demo` writes (scripts/demo_assets.py) and the LoRA it trains (under
-    a name of its own, which no example loads)."""
-    return name.startswith("kontext-trainer-demo") or name == "kontext_trainer_demo.safetensors"
-
-
 # A returning user's page (the tutorial done): on a first start 1.32.9 opens its template browser,
 # whose thumbnail placeholders animate offline for as long as it stays open; Chromium then spent
 # 1.1-1.4 cores while the page waited (1.49.6: 0.10-0.17), and this module took 67.3 core-s of
@@ -106,6 +102,14 @@ def demo_makes(name: str) -> bool:
 # after the other).
 REPORT_BOX_PX = 150  # about 10 lines of the report (PreviewAny) without scrolling
 PAGE_SIZE = {"width": 1920, "height": 937}  # a full-HD screen's page, the browser's bars taken
+
+
+@pytest.fixture(scope="module", autouse=True)
+def model_files(server):
+    """The examples' model files as a user who downloaded them has them (empty stand-ins), before
+    the page loads the lists: without them each example opens with the frontend's report of the
+    missing files (1.32.9: a dialog over the canvas)."""
+    write_model_stand_ins(server.base_dir)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -127,11 +131,14 @@ def test_an_example_opens_readable_with_its_note_and_fixed_seeds(module_returnin
     assert len(seen["notes"]) == 1, f"{path.name} has no note saying what it does and needs"
     note = seen["notes"][0]
     api = json.loads((EXAMPLES / "api" / path.name).read_text())
-    for node in api.values():
-        for widget in MODEL_WIDGETS.get(node["class_type"], []):
-            name = node["inputs"][widget]
-            if not demo_makes(name) and not name.startswith(("flux2_lora", "kontext_demo")):
-                assert name.removesuffix(".safetensors") in note, f"{path.name}: the note never names {name}"
+    for folder, name in loaded_models(api):
+        stem = name.removesuffix(".safetensors")
+        assert stem in note and f"models/{folder}" in note, (
+            f"{path.name}: the note never names {name} in {folder}"
+        )
+    if any(node["class_type"] == "KontextTrainer_TrainLoRA" for node in api.values()):
+        for line in TRAINING_CHANGES:
+            assert re.search(line, note, re.MULTILINE), f"{path.name}: the note lacks a line {line!r}"
     assert all(value == "fixed" for value in seen["seeds"]), f"{path.name}: seeds {seen['seeds']}"
 
     layout = module_page.evaluate(LAYOUT_JS)

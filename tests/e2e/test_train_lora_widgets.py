@@ -32,6 +32,16 @@ WIDGETS_JS = """(type) => {
 }"""
 
 
+@pytest.fixture(scope="module", autouse=True)
+def model_files(server):
+    """The examples' model files (empty stand-ins) in the server's models/: the pages here open
+    the shipped example as a user who has the files (1.32.9 shows a Missing Models dialog
+    otherwise, over the labels these tests hover)."""
+    from kt_testing.examples import write_model_stand_ins
+
+    write_model_stand_ins(server.base_dir)
+
+
 def load(page, server, workflow) -> dict:
     """Open `workflow` as a user would (`loadGraphData`) once the frontend has finished opening
     its own start-up workflow (which replaces a graph loaded before it is done)."""

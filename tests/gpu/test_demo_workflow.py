@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from demo_assets import on_demo_files
+
 TRAINING = Path("example_workflows") / "api" / "kontext_lora_training.json"
 INFERENCE = Path("example_workflows") / "api" / "kontext_lora_inference.json"
 
@@ -41,7 +43,7 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
         assert server.get_json("/system_stats")["devices"][0]["type"] == device
         demo_assets.link_into_models(stock_assets, server.base_dir / "models")
         demo_dataset.write_demo_dataset(server.base_dir / "input" / "kontext_demo")
-        workflow = json.loads((REPO_ROOT / TRAINING).read_text())
+        workflow = on_demo_files(json.loads((REPO_ROOT / TRAINING).read_text()))
         trainer = node_of(workflow, "KontextTrainer_TrainLoRA")
         workflow[trainer]["inputs"].update(steps=4, save_every=0)
         lora_name = f"{workflow[trainer]['inputs']['lora_name']}.safetensors"
@@ -75,7 +77,9 @@ def test_the_demo_workflow_trains_on_a_gpu_server(gpu, stock_assets, tmp_path):
         assert report["patched_keys"] == [len(modules)] and report["difference"][0] > 0
         assert report["device"][0].startswith(device)
 
-        inference = json.loads((REPO_ROOT / INFERENCE).read_text())  # as shipped: it loads lora_name
+        inference = on_demo_files(
+            json.loads((REPO_ROOT / INFERENCE).read_text())
+        )  # as shipped: it loads lora_name
         inference_id, inference_messages = server.run_prompt(inference, timeout=600)
         succeeded(inference_messages)
         images = server.history(inference_id)["outputs"][node_of(inference, "SaveImage")]["images"]

@@ -48,13 +48,18 @@ def stock_sampling(workflow: dict) -> dict:
 def test_the_demo_trains_with_and_without_dynamic_vram(cuda_only, stock_assets, tmp_path):
     import demo_assets
     import demo_dataset
+    from demo_assets import on_demo_files
     from kt_testing.runs import progress_events
     from kt_testing.server import ComfyServer
     from trainer_core.lora_file import load
 
-    workflow = json.loads((REPO_ROOT / "example_workflows/api/kontext_lora_training.json").read_text())
+    workflow = on_demo_files(
+        json.loads((REPO_ROOT / "example_workflows/api/kontext_lora_training.json").read_text())
+    )
     workflow["5"]["inputs"].update(steps=4, save_every=0)
-    inference = json.loads((REPO_ROOT / "example_workflows/api/kontext_lora_inference.json").read_text())
+    inference = on_demo_files(
+        json.loads((REPO_ROOT / "example_workflows/api/kontext_lora_inference.json").read_text())
+    )
     loras, growth, where, pinned = {}, {}, {}, {}
     for mode, args in (("sampling", ()), ("dynamic", ()), ("disabled", ("--disable-dynamic-vram",))):
         base = tmp_path / mode

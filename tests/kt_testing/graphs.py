@@ -130,7 +130,9 @@ def demo_training(
     PreviewSampler is not connected. `settings`: TrainLoRA's other inputs."""
     import json
 
-    workflow = json.loads(DEMO_TRAINING.read_text())
+    from demo_assets import on_demo_files
+
+    workflow = on_demo_files(json.loads(DEMO_TRAINING.read_text()))  # the real files' loaders swapped
     workflow["5"]["inputs"].update(steps=steps, save_every=0, lora_name=lora_name, **settings)
     workflow["4"]["inputs"].update(hold_out=0, reference_resolution=size)
     workflow["9"]["inputs"]["reference_resolution"] = size

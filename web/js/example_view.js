@@ -6,10 +6,31 @@
 // saved view already. An example carries `extra.kontext_trainer_example` (written by
 // scripts/export_ui_workflows.py); once the frontend has laid out such a graph, its saved view
 // is applied, unless the user turned off "Save and restore canvas position and zoom level".
+// And the pack's cards in the template browser start with the starter example (issue 64): ComfyUI
+// lists a pack's example_workflows/ in the order its file system returns them (`glob`), which
+// both frontends keep, so kontext_lora_training came 7th of 13.
 const { app } = window.comfyAPI.app;
+const { api } = window.comfyAPI.api;
 
 const MARK = "kontext_trainer_example";
 const VIEW_RESTORE = "Comfy.EnableWorkflowViewRestore";
+const FIRST_CARDS = ["kontext_lora_training", "kontext_lora_inference"]; // then by name
+// the key /workflow_templates lists the pack under: its folder, as in this file's address
+// (/extensions/<folder>/js/example_view.js)
+const PACK = decodeURIComponent(new URL(import.meta.url).pathname.split("/")[2]);
+
+function starterFirst(names) {
+  const rank = (name) => (FIRST_CARDS.includes(name) ? FIRST_CARDS.indexOf(name) : FIRST_CARDS.length);
+  return [...names].sort((a, b) => rank(a) - rank(b) || a.localeCompare(b));
+}
+
+// Both frontends ask once, when the template browser first opens: before that, this module has run.
+const listTemplates = api.getWorkflowTemplates.bind(api);
+api.getWorkflowTemplates = async () => {
+  const templates = await listTemplates();
+  if (Array.isArray(templates?.[PACK])) templates[PACK] = starterFirst(templates[PACK]);
+  return templates;
+};
 
 function viewRestoreOn() {
   const settings = app.extensionManager?.setting;
