@@ -66,6 +66,15 @@ def test_a_resume_names_the_model_and_the_base_it_was_trained_on(server, dataset
     assert message.startswith("resume_from: the checkpoint trained a FLUX.1 LoRA"), message
     assert "this MODEL is FLUX.2 [klein] 4B" in message and "load the FLUX.1 model to resume it" in message
 
+    # a dataset encoded by another VAE: named as such (not "another dataset")
+    other_vae = training_graph(dataset, "kt_on", steps=4, resume_from=choice, overwrite=True)
+    other_vae["2"]["inputs"]["seed"] = 5
+    _, refused = server.run_prompt(other_vae)
+    message = error_of(refused)
+    vae = "resume_from: the checkpoint's dataset was encoded by the VAE weights "
+    assert message.startswith(vae), message
+    assert "load the VAE it was trained with to resume" in message
+
     # another base file of the same model (another seed), and a changed learning rate: both said
     # first on the panel's last message; the LoRA names both bases
     other = training_graph(dataset, "kt_on", steps=4, resume_from=choice, overwrite=True, learning_rate=5e-4)
