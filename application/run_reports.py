@@ -35,7 +35,7 @@ from ..trainer_core.run_files import (
 )
 from ..trainer_core.validation import VALIDATION_SIGMAS
 from ..trainer_core.vram import Estimate
-from ..trainer_core.write_errors import remedy, write_problem
+from ..trainer_core.write_errors import WriteFailed, failure_line, os_error, remedy
 
 if TYPE_CHECKING:  # training_run imports this module
     from .training_run import Run
@@ -45,16 +45,14 @@ PREVIEW_HISTORY = 24  # preview images listed on the node (older ones stay in th
 PREVIEW_ROUNDS_OUT = 4  # preview rounds (each: one image per prompt) in the `previews` output
 
 
-class SaveFailed(OSError):
+class SaveFailed(WriteFailed):
     """A file of the run could not be written (a full disk, a folder gone read-only): one line
-    naming what, where, why, and the newest complete checkpoint to resume from."""
+    naming what, where, why, and the newest complete checkpoint to resume from; `step`: the step
+    that had finished."""
 
-    def __init__(self, message: str, step: int):
-        super().__init__(message)
+    def __init__(self, message: str, step: int, cause: OSError | None = None):
+        super().__init__(message, cause)
         self.step = step
-
-    def __str__(self) -> str:
-        return self.args[0]
 
 
 def failed_save(
@@ -70,9 +68,7 @@ def failed_save(
         if newest
         else f"no checkpoint of this run was complete yet; {fix} and start it again"
     )
-    return SaveFailed(
-        f"could not write the {what} at step {step} to {where}: {write_problem(error)}; {resume}", step
-    )
+    return SaveFailed(failure_line(f"the {what} at step {step}", where, error, resume), step, os_error(error))
 
 
 WRITE_ERRORS = (OSError,)  # a SafetensorError (a tensor it cannot store) is a bug: seen as it is

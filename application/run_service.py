@@ -38,8 +38,8 @@ from ..trainer_core.loss_chart import draw_loss_chart, save_png_atomic
 from ..trainer_core.resume import check_resume
 from ..trainer_core.run_files import LoraPaths
 from ..trainer_core.trained_on import TrainedOn, Weights, check_encoders, check_model, resume_notes
+from ..trainer_core.write_errors import write_problem
 from .run_policy import check_run_files, temp_dir
-from .run_reports import write_problem
 from .training_run import Run, TrainingOutcome, run_training
 
 LOGGER = logging.getLogger("kontext_trainer")

@@ -56,6 +56,7 @@ from ..trainer_core.run_files import LoraPaths, remove_stale_partials
 from ..trainer_core.seed_lora import read_seed_lora
 from ..trainer_core.trained_on import TrainedOn
 from ..trainer_core.validation import evaluating, held_out_loss
+from ..trainer_core.write_errors import remedy
 from .run_reports import (
     WRITE_ERRORS,
     CheckpointWriter,
@@ -64,7 +65,6 @@ from .run_reports import (
     announce_estimate,
     failed_save,
     out_of_memory,
-    remedy,
     start_tracking,
 )
 

@@ -100,9 +100,10 @@ class SavedLoras:
 
 
 SAVED = SavedLoras()
-# the MODEL's family entry as the early check resolved it (`TrainLoRA.check_lazy_status`), taken
-# by the run that follows on the same MODEL: a run resolves its entry once
-EARLY_FAMILIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# the MODEL's family entry and what the run trains on (its base weights' fingerprint) as the
+# early check resolved them (`TrainLoRA.check_lazy_status`), taken by the run that follows on the
+# same MODEL: a run resolves its entry and reads its weights once
+EARLY_CHECKS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 # the loaders whose file a MODEL comes from: their file widget and its models folder
@@ -288,8 +289,13 @@ class TrainLoRA(io.ComfyNode):
             return []
         prepared = cls.prepare_run(lora_name, overwrite, resume_from, start_from_lora, settings)
         prepared.check_model_alone(model)
-        EARLY_FAMILIES[model] = prepared.run.family
+        EARLY_CHECKS[model] = (cls.this_run(), prepared.run.family, prepared.run.trained_on)
         return ["dataset"]
+
+    @classmethod
+    def this_run(cls) -> tuple:
+        """This node in this prompt (the early check's results are for it alone)."""
+        return getattr(_prompt_server(), "last_prompt_id", None), str(cls.hidden.unique_id)
 
     @classmethod
     def prepare_run(cls, lora_name, overwrite, resume_from, start_from_lora, settings: dict):
@@ -326,7 +332,9 @@ class TrainLoRA(io.ComfyNode):
         stem = lora_stem(lora_name)
         node = str(cls.hidden.unique_id)
         prepared = cls.prepare_run(lora_name, overwrite, resume_from, start_from_lora, settings)
-        prepared.run.family = EARLY_FAMILIES.pop(model, None)
+        run, family, trained_on = EARLY_CHECKS.pop(model, (None, None, None))
+        if run == cls.this_run():  # this prompt's own early check (not one a failed prompt left)
+            prepared.run.family, prepared.run.trained_on = family, trained_on
         config = prepared.config
         prepared.check_fit(model, dataset)
         prepared.check_preview(preview)

@@ -15,7 +15,7 @@ import torch
 from safetensors import safe_open
 
 from .lora_file import load, save_atomic
-from .write_errors import write_failed
+from .write_errors import WriteFailed, failure_line, os_error, remedy
 
 # Bump when the image pipeline (decode, conversions, resize) changes what is encoded.
 IMAGE_RULE_VERSION = "image-v1"
@@ -63,13 +63,12 @@ class EncodeCache:
         try:
             save_atomic(state, self.path(kind, key))
         except OSError as error:  # whole entries only: the ones written stay valid
-            raise write_failed(
-                "the dataset's encodings",
-                self.root,
-                error,
-                "nothing was trained yet and the encodings written so far are kept; {fix} "
-                "(or choose another cache_folder), then run again",
-            ) from None
+            safe = (
+                f"nothing was trained yet and the encodings written so far are kept; "
+                f"{remedy(error, self.root)} (or choose another cache_folder), then run again"
+            )
+            line = failure_line("the dataset's encodings", self.root, error, safe)
+            raise WriteFailed(line, os_error(error)) from None
 
     def shape(self, kind: str, key: str, name: str) -> tuple[int, ...]:
         """A cached tensor's shape, from the file's header (nothing loaded)."""

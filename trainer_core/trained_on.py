@@ -11,7 +11,7 @@ record resumes with a note that its base cannot be checked.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, replace
 
 NOT_EXACT = "the continuation is no longer exactly the uninterrupted run's"
 
@@ -36,7 +36,7 @@ class TrainedOn:
     vae: Weights | None = None
     text_encoder: Weights | None = None
     # the base files of the steps before this run's (a resume on another base file): oldest first
-    earlier_bases: tuple[dict, ...] = field(default=())
+    earlier_bases: tuple[dict, ...] = ()
 
     def record(self) -> dict:
         return asdict(self)
@@ -100,10 +100,10 @@ def resume_notes(saved: dict, step: int, current: TrainedOn) -> tuple[list[str],
             "base model: that it was trained on this model's file cannot be checked"
         ], current
     if before.base.fingerprint == current.base.fingerprint:
-        return [], TrainedOn(**{**current.__dict__, "earlier_bases": before.earlier_bases})
+        return [], replace(current, earlier_bases=before.earlier_bases)
     earlier = (*before.earlier_bases, {**asdict(before.base), "until_step": step})
     note = (
         f"resumed from step {step} on another base model file: the checkpoint was trained on "
         f"{before.base.describe()}, this run trains on {current.base.describe()}; {NOT_EXACT}"
     )
-    return [note], TrainedOn(**{**current.__dict__, "earlier_bases": earlier})
+    return [note], replace(current, earlier_bases=earlier)

@@ -16,7 +16,8 @@ FULL = (errno.ENOSPC, errno.EDQUOT)
 
 class WriteFailed(OSError):
     """A file of the pack could not be written: one line naming what, where, why, what is safe
-    and what to do. Keeps the system's error number (`errno`) of the write that failed."""
+    and what to do (`failure_line`). Keeps the system's error number (`errno`) of the write that
+    failed."""
 
     def __init__(self, message: str, cause: OSError | None = None):
         super().__init__(cause.errno if cause is not None else None, message)
@@ -46,8 +47,6 @@ def write_errno(error: BaseException) -> int | None:
 
 def write_problem(error: BaseException) -> str:
     """Why a write failed, in the operating system's words ("No space left on device")."""
-    if isinstance(error, WriteFailed):
-        return str(error)
     found = os_error(error)
     if found is not None and found.strerror:
         return found.strerror
@@ -76,11 +75,7 @@ def remedy(error: BaseException, where: Path) -> str:
     return "fix that"
 
 
-def write_failed(what: str, where: Path, error: BaseException, safe: str) -> WriteFailed:
-    """The one line for a write of `what` into `where` that failed with `error`: the reason,
-    `safe` (what is kept and how to go on; it may use "{fix}" for `remedy`'s advice)."""
-    cause = os_error(error)
-    fix = remedy(error, where)
-    return WriteFailed(
-        f"could not write {what} to {where}: {write_problem(error)}; {safe.format(fix=fix)}", cause
-    )
+def failure_line(what: str, where: Path, error: BaseException, safe: str) -> str:
+    """The one line for a write of `what` into `where` that failed with `error`: the system's
+    reason, then `safe` (what is kept and how to go on, with `remedy`'s advice in it)."""
+    return f"could not write {what} to {where}: {write_problem(error)}; {safe}"

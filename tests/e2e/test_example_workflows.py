@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from kt_testing.examples import write_model_stand_ins
+from kt_testing.examples import LOADER_FOLDERS, write_model_stand_ins
 from kt_testing.frontend import blank_canvas
 from kt_testing.paths import PACK_DIR_NAME, REPO_ROOT
 
@@ -447,14 +447,7 @@ def test_the_inference_example_runs_as_shipped(server, stock_assets):
 
 
 # What each loader of the examples reads, as (node type, input) -> the models/ folder.
-MODEL_INPUTS = {
-    ("UNETLoader", "unet_name"): "diffusion_models",
-    ("VAELoader", "vae_name"): "vae",
-    ("CLIPLoader", "clip_name"): "text_encoders",
-    ("DualCLIPLoader", "clip_name1"): "text_encoders",
-    ("DualCLIPLoader", "clip_name2"): "text_encoders",
-    ("LoraLoaderModelOnly", "lora_name"): "loras",
-}
+MODEL_INPUTS = {**LOADER_FOLDERS, ("LoraLoaderModelOnly", "lora_name"): "loras"}
 # The examples whose models the demo has no stand-ins for (FLUX.2, Qwen-Image-Edit); the FLUX.1
 # ones run on the demo's files through `demo_assets.on_demo_files`.
 NEEDS_REAL_MODELS = {
